@@ -1,0 +1,43 @@
+# One entry point for set-up, demo and tests. Every target creates the venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint typecheck unit proto proto-check bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+## demo: a coordinator plus a real 4-rank torchrun job that forms, then one that is refused
+demo: venv
+	$(PY) examples/demo.py
+
+## test: everything CI runs: generated-code check, ruff, mypy, pytest
+test: venv proto-check lint typecheck
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+proto: venv
+	$(PY) scripts/gen_proto.py
+
+proto-check: venv
+	$(PY) scripts/gen_proto.py --check
+
+bench: venv
+	$(PY) bench/bench_signature.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""cohortgate's coordinator: kept free of server imports so the agent can import the manifest."""

@@ -1,0 +1,163 @@
+"""Extraction of the manifest from real torch.nn modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import agent
+from coordinator.manifest import Kind, ManifestError
+from tests.models import TinyTransformer, tiny
+
+
+def test_parameters_then_buffers_in_declaration_order() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    m = agent.manifest(model)
+    assert [(e.kind, e.name) for e in m.entries] == [
+        (Kind.PARAMETER, "0.weight"),
+        (Kind.PARAMETER, "0.bias"),
+        (Kind.PARAMETER, "1.weight"),
+        (Kind.PARAMETER, "1.bias"),
+        (Kind.PARAMETER, "2.weight"),
+        (Kind.PARAMETER, "2.bias"),
+        (Kind.BUFFER, "1.running_mean"),
+        (Kind.BUFFER, "1.running_var"),
+        (Kind.BUFFER, "1.num_batches_tracked"),
+    ]
+    assert m.entries[0].shape == (8, 4)
+    assert m.entries[0].dtype == "float32"
+    assert m.entries[-1].dtype == "int64"
+
+
+def test_matches_torch_named_parameters_and_buffers_exactly() -> None:
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.ReLU(), shared, tiny())
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    assert [e.name for e in agent.manifest(model).entries] == names
+
+
+def test_tied_weights_are_marked_as_aliases() -> None:
+    m = agent.manifest(tiny(tie=True))
+    head = next(e for e in m.entries if e.name == "head.weight")
+    assert head.alias_of == "embed.weight"
+    untied = agent.manifest(tiny(tie=False))
+    assert next(e for e in untied.entries if e.name == "head.weight").alias_of is None
+    assert m.signature() != untied.signature()
+
+
+def test_frozen_parameters_and_none_members() -> None:
+    model = nn.Linear(4, 4, bias=False)  # registers bias as None: skipped, as torch does
+    model.weight.requires_grad_(False)
+    (entry,) = agent.manifest(model).entries
+    assert entry.name == "weight"
+    assert entry.requires_grad is False
+
+
+def test_non_persistent_buffers_are_included() -> None:
+    model = nn.Module()
+    model.register_buffer("kept", torch.zeros(2))
+    model.register_buffer("scratch", torch.zeros(3), persistent=False)
+    assert [e.name for e in agent.manifest(model).entries] == ["kept", "scratch"]
+
+
+def test_channels_last_records_strides() -> None:
+    conv = nn.Conv2d(3, 8, 3)
+    plain = agent.manifest(conv)
+    assert plain.entries[0].strides is None
+    conv.weight.data = conv.weight.data.to(memory_format=torch.channels_last)
+    cl = agent.manifest(conv)
+    assert cl.entries[0].strides == tuple(conv.weight.stride())
+    assert cl.signature() != plain.signature()
+
+
+def test_meta_and_cpu_builds_sign_identically() -> None:
+    cpu = TinyTransformer()
+    with torch.device("meta"):
+        meta = TinyTransformer()
+    assert next(meta.parameters()).is_meta
+    assert agent.manifest(meta).signature() == agent.manifest(cpu).signature()
+
+
+def test_dtype_names_are_canonical() -> None:
+    model = nn.Module()
+    model.a = nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    model.b = nn.Parameter(torch.zeros(2, dtype=torch.float8_e4m3fn), requires_grad=False)
+    assert [e.dtype for e in agent.manifest(model).entries] == ["bfloat16", "float8_e4m3fn"]
+
+
+def test_same_model_same_signature_in_two_processes() -> None:
+    code = (
+        "import agent; from tests.models import tiny;"
+        "print(agent.manifest(tiny()).signature().hex())"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    assert outs[0] == outs[1] == agent.manifest(tiny()).signature_hex()
+
+
+class UnreadableShape(torch.Tensor):
+    @property  # type: ignore[misc]
+    def shape(self) -> torch.Size:
+        raise RuntimeError("shape is data-dependent")
+
+
+def test_unsignable_tensor_names_the_entry_and_reason() -> None:
+    model = nn.Module()
+    model.register_buffer("ok", torch.zeros(1))
+    model.register_buffer("odd", torch.zeros(2).as_subclass(UnreadableShape))
+    with pytest.raises(ManifestError, match=r"buffer 'odd'.*shape is data-dependent"):
+        agent.manifest(model)
+
+
+def test_wrappers_that_rename_members_are_asked() -> None:
+    class Prefixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def named_parameters(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def,override]
+            for name, p in self.inner.named_parameters():
+                yield f"renamed.{name}", p
+
+    assert [e.name for e in agent.manifest(Prefixed()).entries] == [
+        "renamed.weight",
+        "renamed.bias",
+    ]
+
+
+def test_not_a_module_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        agent.manifest(torch.zeros(1))  # type: ignore[arg-type]
+
+
+def test_importing_agent_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, agent;"
+        "heavy = [m for m in ('torch', 'grpc', 'google.protobuf', 'numpy') if m in sys.modules];"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""
+
+
+# CUDA joins the list wherever it is present (the GPU machine); CPU and meta always run.
+DEVICES = ["cpu", "meta"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_device_signs_like_the_cpu(device: str) -> None:
+    with torch.device(device):
+        model = TinyTransformer()
+    assert next(model.parameters()).device.type == device
+    assert agent.manifest(model).signature() == agent.manifest(tiny()).signature()
