@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import agent  # noqa: E402
+import agent
 
 
 def model(hidden: int, dtype: torch.dtype = torch.float32) -> nn.Module:
