@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from coordinator.manifest import Entry, Kind, Manifest, ManifestError
@@ -53,7 +52,9 @@ def manifest(module: torch.nn.Module) -> Manifest:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return Manifest(tuple(_entries(module)))
+        result = Manifest(tuple(_entries(module)))
+        result.signature()  # every caller wants it; cached, and hashed while GC is off
+        return result
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -62,59 +63,60 @@ def manifest(module: torch.nn.Module) -> Manifest:
 def _entries(root: torch.nn.Module) -> list[Entry]:
     """named_parameters(remove_duplicate=False), then named_buffers(...), as entries.
 
-    torch's own walk is a chain of nested generators; this one loop visits the same modules
-    in the same pre-order, skipping None members as torch does, at a fraction of the cost.
+    torch's own walk is a chain of nested generators; this recursion visits the same modules
+    in the same pre-order, skipping None members as torch does, at a third of the cost.
     That is what keeps the signature near the price of a bare walk at 100k tensors.
     """
     if _overrides_walk(root):
         return _entries_from(
-            root.named_parameters(remove_duplicate=False),
-            root.named_buffers(remove_duplicate=False),
+            list(root.named_parameters(remove_duplicate=False)),
+            list(root.named_buffers(remove_duplicate=False)),
         )
     params: list[tuple[str, Any]] = []
     buffers: list[tuple[str, Any]] = []
-    stack: list[tuple[str, torch.nn.Module]] = [("", root)]
-    while stack:
-        prefix, module = stack.pop()
-        for out, members in ((params, module._parameters), (buffers, module._buffers)):
-            if members:
-                out.extend([(prefix + key, t) for key, t in members.items() if t is not None])
-        if module._modules:
-            children = [
-                (f"{prefix}{key}.", child)
-                for key, child in module._modules.items()
-                if child is not None
-            ]
-            children.reverse()
-            stack.extend(children)
+    add_param, add_buffer = params.append, buffers.append
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for key, tensor in module._parameters.items():
+            if tensor is not None:
+                add_param((prefix + key, tensor))
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                add_buffer((prefix + key, buffer))
+        for key, child in module._modules.items():
+            if child is not None:
+                visit(f"{prefix}{key}.", child)
+
+    visit("", root)
     return _entries_from(params, buffers)
 
 
-def _entries_from(
-    params: Iterable[tuple[str, Any]], buffers: Iterable[tuple[str, Any]]
-) -> list[Entry]:
+def _entries_from(params: list[tuple[str, Any]], buffers: list[tuple[str, Any]]) -> list[Entry]:
     first_name: dict[int, str] = {}
+    claim = first_name.setdefault
     entries: list[Entry] = []
     append = entries.append
     names = _DTYPE_NAMES
+    # NamedTuple's generated __new__ is Python code; building the tuple directly is 3x cheaper.
+    new = tuple.__new__
     for kind, members in ((Kind.PARAMETER, params), (Kind.BUFFER, buffers)):
         is_param = kind is Kind.PARAMETER
         for name, tensor in members:
-            key = id(tensor)
-            alias = first_name.get(key)
-            if alias is None:
-                first_name[key] = name
+            first = claim(id(tensor), name)
             try:
                 dtype = tensor.dtype
                 append(
-                    Entry(
-                        kind,
-                        name,
-                        names.get(dtype) or _dtype_name(dtype),
-                        tuple(tensor.shape),
-                        is_param and tensor.requires_grad,
-                        alias,
-                        None if tensor.is_contiguous() else tuple(tensor.stride()),
+                    new(
+                        Entry,
+                        (
+                            kind,
+                            name,
+                            names.get(dtype) or _dtype_name(dtype),
+                            tuple(tensor.shape),
+                            is_param and tensor.requires_grad,
+                            None if first is name else first,
+                            None if tensor.is_contiguous() else tuple(tensor.stride()),
+                        ),
                     )
                 )
             except Exception as exc:
