@@ -8,19 +8,34 @@ from coordinator.diff import ManifestDiff, diff
 from coordinator.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
+    from agent.client import CohortgateError
+    from agent.cohort import Cohort, CohortRefused, init_process_group, join
     from agent.signature import manifest
 
 __all__ = [
+    "Cohort",
+    "CohortRefused",
+    "CohortgateError",
     "Entry",
     "Kind",
     "Manifest",
     "ManifestDiff",
     "ManifestError",
     "diff",
+    "init_process_group",
+    "join",
     "manifest",
 ]
 
-_LAZY = {"manifest": "agent.signature"}
+# Loaded on first use: importing agent must not pull in torch or grpc.
+_LAZY = {
+    "manifest": "agent.signature",
+    "join": "agent.cohort",
+    "init_process_group": "agent.cohort",
+    "Cohort": "agent.cohort",
+    "CohortRefused": "agent.cohort",
+    "CohortgateError": "agent.client",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,175 @@
+"""The join client: one streaming call per rank, retried with jittered backoff while unavailable."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from agent.torchrun import RankIdentity
+from coordinator import wire
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.manifest import Manifest
+
+logger = logging.getLogger("cohortgate.agent")
+
+# Codes worth retrying: the coordinator restarted, is shutting down, or is not up yet.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Rank 0 reports progress no more often than this.
+PROGRESS_EVERY_S = 5.0
+
+
+class CohortgateError(RuntimeError):
+    """The join failed for a reason other than a refusal: the message names the coordinator."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    timeout_s: float = 900.0  # above the coordinator's default 600 s join deadline
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+
+
+def _say(message: str) -> None:
+    """Progress goes to our logger; where the host program configured none, to stderr."""
+    if logger.hasHandlers():
+        logger.info(message)
+    else:
+        print(f"[cohortgate] {message}", file=sys.stderr, flush=True)
+
+
+def runtime_facts(device_type: str) -> pb.RuntimeFacts:
+    import torch
+
+    facts = pb.RuntimeFacts(
+        torch_version=str(torch.__version__),
+        cuda_version=str(torch.version.cuda or ""),
+        device_type=device_type,
+    )
+    if device_type == "cuda" and torch.cuda.is_available():
+        with contextlib.suppress(Exception):  # NCCL absent from this build: leave it empty
+            facts.nccl_version = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+        facts.device_name = torch.cuda.get_device_name(torch.cuda.current_device())
+    return facts
+
+
+def join(
+    identity: RankIdentity,
+    manifest: Manifest,
+    *,
+    init_method: str,
+    runtime: pb.RuntimeFacts,
+    options: JoinOptions | None = None,
+    on_progress: Callable[[pb.Progress], None] | None = None,
+) -> pb.Verdict:
+    """Join the cohort and block until its verdict (FORMED or REFUSED)."""
+    opts = options or JoinOptions()
+    request = pb.JoinRequest(
+        protocol_version=wire.PROTOCOL_VERSION,
+        job_id=identity.job_id,
+        rank=identity.rank,
+        world_size=identity.world_size,
+        local_rank=identity.local_rank,
+        host=identity.host,
+        pid=identity.pid,
+        incarnation=identity.incarnation,
+        signature=manifest.signature(),
+        manifest_entries=len(manifest),
+        runtime=runtime,
+        init_method=init_method,
+    )
+    give_up_at = time.monotonic() + opts.timeout_s
+    delay = opts.backoff_initial_s
+    last_error = ""
+    with grpc.insecure_channel(
+        identity.addr,
+        options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    ) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        while True:
+            remaining = give_up_at - time.monotonic()
+            if remaining <= 0:
+                raise CohortgateError(
+                    f"no verdict from the cohortgate coordinator at {identity.addr} within "
+                    f"{opts.timeout_s:g}s (last error: {last_error or 'none'}); check that it "
+                    "runs and that COHORTGATE_ADDR points at it"
+                )
+            try:
+                return _stream(stub, request, identity, manifest, remaining, on_progress)
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    last_error = f"{code.name}: {details}"
+                    continue
+                if code not in RETRYABLE:
+                    raise CohortgateError(
+                        f"the cohortgate coordinator at {identity.addr} refused the join of "
+                        f"rank {identity.rank}: {code.name}: {details}",
+                        code,
+                    ) from None
+                last_error = f"{code.name}: {details}"
+            # Full jitter: 4,096 ranks reconnecting at once must not arrive in lockstep.
+            time.sleep(min(random.uniform(0, delay), max(give_up_at - time.monotonic(), 0)))
+            delay = min(delay * 2, opts.backoff_max_s)
+
+
+def _stream(
+    stub: pb_grpc.CohortServiceStub,
+    request: pb.JoinRequest,
+    identity: RankIdentity,
+    manifest: Manifest,
+    timeout: float,
+    on_progress: Callable[[pb.Progress], None] | None,
+) -> pb.Verdict:
+    last_said = 0.0
+    last_joined = -1
+    for event in stub.Join(request, timeout=timeout, wait_for_ready=True):
+        kind = event.WhichOneof("event")
+        if kind == "verdict":
+            verdict: pb.Verdict = event.verdict
+            return verdict
+        if kind == "manifest_request":
+            stub.UploadManifest(
+                pb.UploadManifestRequest(
+                    job_id=identity.job_id,
+                    round=event.manifest_request.round,
+                    rank=identity.rank,
+                    incarnation=identity.incarnation,
+                    signature=manifest.signature(),
+                    manifest=wire.manifest_to_pb(manifest),
+                ),
+                timeout=min(timeout, 60.0),
+            )
+        elif kind == "progress":
+            progress = event.progress
+            request.round = progress.round  # a reconnect re-joins this round, not a new one
+            if on_progress is not None:
+                on_progress(progress)
+            now = time.monotonic()
+            if identity.rank == 0 and (
+                now - last_said >= PROGRESS_EVERY_S
+                or (last_joined < 0 and progress.joined != last_joined)
+            ):
+                last_said, last_joined = now, progress.joined
+                _say(f"job {progress.job_id} round {progress.round}: {progress.message}")
+    raise CohortgateError(
+        f"the cohortgate coordinator at {identity.addr} ended the join of rank "
+        f"{identity.rank} without a verdict"
+    )

@@ -1,0 +1,116 @@
+"""What torchrun tells a worker (its environment) and how a worker tells torchrun why it died."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_ADDR = "127.0.0.1:7070"
+
+
+class AgentConfigError(RuntimeError):
+    """The rank's environment does not say enough to join; the message says what to set."""
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise AgentConfigError(
+                f"{name} is not set: launch with torchrun (or set {name}) so the agent knows "
+                "this process's place in the job"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise AgentConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who this process is in the job, read once from torchrun's variables."""
+
+    job_id: str
+    rank: int
+    world_size: int
+    local_rank: int
+    host: str
+    pid: int
+    incarnation: str
+    restart_count: int
+    addr: str
+    error_file: str | None
+    endpoint_host: str
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        job_id: str | None = None,
+        addr: str | None = None,
+    ) -> RankIdentity:
+        env = os.environ if env is None else env
+        job = job_id or env.get("COHORTGATE_JOB") or env.get("TORCHELASTIC_RUN_ID") or ""
+        if not job or job == "none":
+            raise AgentConfigError(
+                "no job id: torchrun's TORCHELASTIC_RUN_ID is unset or 'none'. Launch with "
+                "`torchrun --rdzv-id JOB ...` or `--standalone`, use `cohortgate run`, or set "
+                "COHORTGATE_JOB to the same value on every rank"
+            )
+        rank = _int(env, "RANK")
+        world_size = _int(env, "WORLD_SIZE")
+        if not 0 <= rank < world_size:
+            raise AgentConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+        host = socket.gethostname()
+        return cls(
+            job_id=job,
+            rank=rank,
+            world_size=world_size,
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            host=host,
+            pid=os.getpid(),
+            incarnation=uuid.uuid4().hex,
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            addr=addr or env.get("COHORTGATE_ADDR") or DEFAULT_ADDR,
+            error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
+            endpoint_host=env.get("COHORTGATE_ENDPOINT_HOST") or env.get("MASTER_ADDR") or host,
+        )
+
+
+def free_port(host: str = "") -> int:
+    """A port free on this host now, for the cohort's rendezvous store (rank 0 offers it).
+
+    The socket is closed before the store binds it; another process could take the port in
+    between, which init_process_group would then report as 'address in use'.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def write_error_file(path: str | None, summary: str, report: str) -> None:
+    """Write torchrun's error-file format so its 'Root Cause' shows our report.
+
+    torchrun prints extraInfo.py_callstack for the first failed rank; we put the report
+    there, since a Python traceback of agent.join() would tell the reader nothing.
+    """
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": summary,
+            "extraInfo": {"py_callstack": report, "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass  # the report still goes to stderr; a read-only error file must not hide it

@@ -1,0 +1,1 @@
+"""cohortgate wire API."""

@@ -1,0 +1,86 @@
+"""Coordinator settings: pydantic, filled from COHORTGATE_* variables, then flags (flags win)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from coordinator.formation import FormationOptions
+
+DEFAULT_PORT = 7070
+DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
+ENV_PREFIX = "COHORTGATE_"
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port); ValueError says what is wrong."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{addr!r} is not HOST:PORT (for example 127.0.0.1:{DEFAULT_PORT})")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServeConfig(BaseModel):
+    """`cohortgate serve`: each field is also COHORTGATE_<FIELD> (upper case)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    listen: str = Field(DEFAULT_ADDR, description="gRPC address to listen on, HOST:PORT")
+    allow_remote: bool = Field(
+        False, description="allow listening on a non-loopback address (exposes the port)"
+    )
+    join_deadline: float = Field(600.0, gt=0, description="seconds from a cohort's first join")
+    manifest_timeout: float = Field(30.0, gt=0, description="seconds to wait for manifests")
+    progress_interval: float = Field(1.0, gt=0, description="seconds between progress events")
+    grace: float = Field(5.0, ge=0, description="seconds of graceful shutdown on SIGTERM")
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    port_file: Path | None = Field(None, description="write the bound port here once serving")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        split_host_port(value)
+        return value
+
+    def check_exposure(self) -> None:
+        host, _ = split_host_port(self.listen)
+        if not is_loopback(host) and not self.allow_remote:
+            raise ValueError(
+                f"--listen {self.listen} is not a loopback address; pass --allow-remote "
+                "(COHORTGATE_ALLOW_REMOTE=1) to serve other hosts"
+            )
+
+    @property
+    def formation(self) -> FormationOptions:
+        return FormationOptions(
+            join_deadline_s=self.join_deadline, manifest_timeout_s=self.manifest_timeout
+        )
+
+
+def from_env_and_flags(
+    model: type[ServeConfig], flags: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> ServeConfig:
+    """Environment first, then every flag the user actually gave (not None) on top."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name in model.model_fields:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and raw != "":
+            values[name] = raw
+    values.update({k: v for k, v in flags.items() if v is not None and k in model.model_fields})
+    return model.model_validate(values)

@@ -1,0 +1,196 @@
+"""The formation decision: one pure function of (cohort, now, options) -> decision + reason."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator import ranges
+from coordinator.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class FormationOptions:
+    # 600 s: long enough for a slow node to pull its image and load data before joining,
+    # short enough that a job with a dead node fails within a coffee break, not an hour.
+    join_deadline_s: float = 600.0
+    # Once every rank has joined, how long to wait for the manifests that explain a
+    # mismatch before refusing without them (their uploaders were asked at join time).
+    manifest_timeout_s: float = 30.0
+
+
+@dataclass
+class Member:
+    """One rank's join, as the coordinator holds it while the cohort forms."""
+
+    rank: int
+    host: str
+    pid: int
+    incarnation: str
+    signature: bytes
+    manifest_entries: int
+    local_rank: int = 0
+    init_method: str = ""
+    runtime: dict[str, str] = field(default_factory=dict)
+    joined_at: float = 0.0
+    last_seen: float = 0.0
+
+
+@dataclass
+class Departure:
+    rank: int
+    host: str
+    incarnation: str
+    at: float
+
+
+@dataclass
+class CohortState:
+    """A (job, round) while it forms; members and the signature index change only here."""
+
+    job_id: str
+    round: int
+    world_size: int
+    first_join_at: float
+    members: dict[int, Member] = field(default_factory=dict)
+    # signature -> ranks holding it, kept up to date so a decision never regroups N ranks.
+    classes: dict[bytes, set[int]] = field(default_factory=dict)
+    manifests: dict[bytes, Manifest] = field(default_factory=dict)
+    complete_at: float | None = None
+    departures: list[Departure] = field(default_factory=list)
+    # Bumped on every membership change; lets callers cache what they derive from members.
+    version: int = 0
+
+    def add(self, member: Member, now: float) -> None:
+        old = self.members.get(member.rank)
+        if old is not None:
+            self._unindex(old)
+        self.members[member.rank] = member
+        self.version += 1
+        self.classes.setdefault(member.signature, set()).add(member.rank)
+        if len(self.members) == self.world_size and self.complete_at is None:
+            self.complete_at = now
+
+    def remove(self, member: Member, now: float) -> None:
+        if self.members.get(member.rank) is not member:
+            return
+        del self.members[member.rank]
+        self.version += 1
+        self._unindex(member)
+        self.complete_at = None
+        self.departures.append(Departure(member.rank, member.host, member.incarnation, now))
+
+    def _unindex(self, member: Member) -> None:
+        ranks = self.classes.get(member.signature)
+        if ranks is not None:
+            ranks.discard(member.rank)
+            if not ranks:
+                del self.classes[member.signature]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.world_size
+
+
+class Outcome(enum.StrEnum):
+    WAITING = "waiting"
+    FORMED = "formed"
+    REFUSED = "refused"
+
+
+class Cause(enum.StrEnum):
+    SIGNATURE_MISMATCH = "signature_mismatch"
+    DEADLINE = "deadline"
+
+
+@dataclass(frozen=True)
+class SignatureClass:
+    """Ranks sharing one signature; the reference class is the one others are diffed against."""
+
+    signature: bytes
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    manifest_entries: int
+    reference: bool = False
+
+    @property
+    def ranks_text(self) -> str:
+        return ranges.compress(self.ranks)
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    reason: str
+    cause: Cause | None = None
+    classes: tuple[SignatureClass, ...] = ()
+    missing_ranks: tuple[int, ...] = ()
+    present_ranks: tuple[int, ...] = ()
+    # Signatures whose manifests the decision still waits for (WAITING only).
+    awaiting_manifests: tuple[bytes, ...] = ()
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def signature_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
+    """Every class, reference first (the largest; ties go to the one holding the lowest rank),
+    then the others in the order of their lowest rank."""
+    built = []
+    for signature, rank_set in cohort.classes.items():
+        ranks = tuple(sorted(rank_set))
+        hosts = tuple(sorted({cohort.members[r].host for r in ranks}))
+        entries = cohort.members[ranks[0]].manifest_entries
+        built.append(SignatureClass(signature, ranks, hosts, entries))
+    built.sort(key=lambda c: (-len(c.ranks), c.ranks[0]))
+    reference = built[0]
+    others = sorted(built[1:], key=lambda c: c.ranks[0])
+    return (
+        SignatureClass(
+            reference.signature,
+            reference.ranks,
+            reference.hosts,
+            reference.manifest_entries,
+            reference=True,
+        ),
+        *others,
+    )
+
+
+def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decision:
+    """Formed, refused or still waiting, with a one-line reason in brackets."""
+    n, joined = cohort.world_size, len(cohort.members)
+    if joined < n:
+        deadline = cohort.first_join_at + options.join_deadline_s
+        if now < deadline:
+            return Decision(
+                Outcome.WAITING,
+                f"[{joined}/{n} ranks joined, deadline in {deadline - now:.0f}s]",
+            )
+        missing = ranges.missing(cohort.members, n)
+        return Decision(
+            Outcome.REFUSED,
+            f"[join deadline of {options.join_deadline_s:g}s passed with {joined}/{n} ranks "
+            f"joined; missing ranks {ranges.compress(missing)}]",
+            cause=Cause.DEADLINE,
+            missing_ranks=tuple(missing),
+            present_ranks=tuple(sorted(cohort.members)),
+        )
+    if len(cohort.classes) == 1:
+        return Decision(
+            Outcome.FORMED,
+            f"[{n}/{n} ranks joined, 1 signature]",
+            classes=signature_classes(cohort),
+        )
+    classes = signature_classes(cohort)
+    awaiting = tuple(c.signature for c in classes if c.signature not in cohort.manifests)
+    complete_at = cohort.complete_at if cohort.complete_at is not None else now
+    reason = f"[{n}/{n} ranks joined, {len(classes)} different signatures]"
+    if awaiting and now < complete_at + options.manifest_timeout_s:
+        return Decision(
+            Outcome.WAITING,
+            f"[{n}/{n} ranks joined, {len(classes)} different signatures, waiting for "
+            f"{len(awaiting)} manifest(s) to explain them]",
+            classes=classes,
+            awaiting_manifests=awaiting,
+        )
+    return Decision(Outcome.REFUSED, reason, cause=Cause.SIGNATURE_MISMATCH, classes=classes)

@@ -1,0 +1,52 @@
+"""Rank sets as compressed ranges: [0,1,2,3,5,7,8] <-> "0-3,5,7-8"."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def compress(ranks: Iterable[int]) -> str:
+    """Sorted, de-duplicated ranks as comma-separated runs; "" for none."""
+    ordered = sorted(set(ranks))
+    if not ordered:
+        return ""
+    runs = []
+    start = prev = ordered[0]
+    for r in ordered[1:]:
+        if r == prev + 1:
+            prev = r
+            continue
+        runs.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = r
+    runs.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(runs)
+
+
+def compress_capped(ranks: Iterable[int], max_runs: int = 20) -> str:
+    """compress(), but past `max_runs` runs the rest is counted, not listed."""
+    text = compress(ranks)
+    runs = text.split(",")
+    if len(runs) <= max_runs:
+        return text
+    return ",".join(runs[:max_runs]) + f" and {len(runs) - max_runs} more runs"
+
+
+def expand(text: str) -> list[int]:
+    """The inverse of compress(); raises ValueError naming the bad part."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad rank range {part!r}: expected N or N-M") from None
+        if last < first:
+            raise ValueError(f"bad rank range {part!r}: end before start")
+        out.extend(range(first, last + 1))
+    return out
+
+
+def missing(present: Iterable[int], world_size: int) -> list[int]:
+    """Ranks in [0, world_size) not in `present`."""
+    have = set(present)
+    return [r for r in range(world_size) if r not in have]

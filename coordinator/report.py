@@ -1,0 +1,151 @@
+"""Verdicts: what every rank of a decided cohort receives, with the refusal report rendered."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+
+from coordinator import ranges
+from coordinator.diff import ManifestDiff, diff
+from coordinator.formation import Cause, CohortState, Decision, Outcome, SignatureClass
+
+# A refused 4,096-node cohort must not print 4,096 host names per class.
+HOST_CAP = 8
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    job_id: str
+    round: int
+    cohort_id: str
+    world_size: int
+    reason: str
+    decided_at: float
+    init_method: str = ""
+    cause: Cause | None = None
+    classes: tuple[SignatureClass, ...] = ()
+    # signature -> diff against the reference class; None where no manifest was obtained.
+    diffs: dict[bytes, ManifestDiff | None] = field(default_factory=dict)
+    missing_ranks: tuple[int, ...] = ()
+    present_ranks: tuple[int, ...] = ()
+    report: str = ""
+
+    @property
+    def formed(self) -> bool:
+        return self.outcome is Outcome.FORMED
+
+
+def _hosts(hosts: tuple[str, ...]) -> str:
+    shown = ", ".join(hosts[:HOST_CAP])
+    return shown if len(hosts) <= HOST_CAP else f"{shown} and {len(hosts) - HOST_CAP} more"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _class_line(c: SignatureClass, label: str) -> str:
+    return (
+        f"{label} signature {c.signature.hex()[:12]}: {_plural(len(c.ranks), 'rank')} "
+        f"[{c.ranks_text}] on {_plural(len(c.hosts), 'host')} {_hosts(c.hosts)}, "
+        f"{c.manifest_entries} tensors"
+    )
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+def render_mismatch(
+    job_id: str,
+    round_: int,
+    world_size: int,
+    classes: tuple[SignatureClass, ...],
+    diffs: dict[bytes, ManifestDiff | None],
+) -> str:
+    lines = [
+        f"cohortgate refused to form job '{job_id}' round {round_}: all {world_size} ranks "
+        f"joined, but with {len(classes)} different model signatures.",
+        _class_line(classes[0], "reference"),
+    ]
+    for c in classes[1:]:
+        lines.append(_class_line(c, "differs:  "))
+        d = diffs.get(c.signature)
+        if d is None:
+            lines.append("    (no manifest of this class reached the coordinator: no diff)")
+        else:
+            lines.append(_indent(d.render()))
+    lines.append(
+        "What to do: every rank must build the same model (same code, config and dtype). "
+        "Fix the ranks listed under 'differs' and relaunch."
+    )
+    return "\n".join(lines)
+
+
+def render_deadline(
+    job_id: str,
+    round_: int,
+    world_size: int,
+    deadline_s: float,
+    missing: tuple[int, ...],
+    present: tuple[int, ...],
+    hosts: tuple[str, ...],
+) -> str:
+    lines = [
+        f"cohortgate refused to form job '{job_id}' round {round_}: the join deadline "
+        f"({deadline_s:g}s from the first join) passed with {len(present)}/{world_size} "
+        "ranks joined.",
+        f"missing ranks: {ranges.compress(missing)}",
+        f"present ranks: {ranges.compress(present) or 'none'}"
+        + (f" on {_hosts(hosts)}" if hosts else ""),
+        "What to do: find out why the missing ranks never reached agent.join() (their "
+        "logs, their nodes), or raise the deadline with --join-deadline.",
+    ]
+    return "\n".join(lines)
+
+
+def build_verdict(
+    cohort: CohortState, decision: Decision, now: float, deadline_s: float
+) -> Verdict:
+    """Turn a FORMED or REFUSED decision into the verdict every rank will receive."""
+    base = Verdict(
+        outcome=decision.outcome,
+        job_id=cohort.job_id,
+        round=cohort.round,
+        cohort_id=f"{cohort.job_id}/{cohort.round}/{uuid.uuid4().hex[:8]}",
+        world_size=cohort.world_size,
+        reason=decision.reason,
+        decided_at=now,
+        cause=decision.cause,
+        classes=decision.classes,
+    )
+    if decision.outcome is Outcome.FORMED:
+        rank0 = cohort.members.get(0)
+        return replace(base, init_method=rank0.init_method if rank0 else "")
+    if decision.cause is Cause.DEADLINE:
+        hosts = tuple(sorted({m.host for m in cohort.members.values()}))
+        report = render_deadline(
+            cohort.job_id,
+            cohort.round,
+            cohort.world_size,
+            deadline_s,
+            decision.missing_ranks,
+            decision.present_ranks,
+            hosts,
+        )
+        return replace(
+            base,
+            missing_ranks=decision.missing_ranks,
+            present_ranks=decision.present_ranks,
+            report=report,
+        )
+    reference = cohort.manifests.get(decision.classes[0].signature)
+    diffs: dict[bytes, ManifestDiff | None] = {}
+    for c in decision.classes[1:]:
+        other = cohort.manifests.get(c.signature)
+        diffs[c.signature] = None if reference is None or other is None else diff(reference, other)
+    report = render_mismatch(
+        cohort.job_id, cohort.round, cohort.world_size, decision.classes, diffs
+    )
+    return replace(base, diffs=diffs, report=report)

@@ -1,0 +1,238 @@
+"""The coordinator's core on one event loop: joins wait here until their cohort's verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from coordinator import ranges
+from coordinator.errors import FailedPrecondition, Unavailable
+from coordinator.formation import FormationOptions, Member
+from coordinator.manifest import Manifest
+from coordinator.report import Verdict
+from coordinator.state import Cohort, JoinIntent, Registry
+
+log = structlog.get_logger("cohortgate")
+
+
+@dataclass(frozen=True)
+class Progress:
+    job_id: str
+    round: int
+    joined: int
+    expected: int
+    missing_ranks: str
+    message: str
+    deadline_in_s: float
+
+
+@dataclass(frozen=True)
+class ManifestAsk:
+    signature: bytes
+    job_id: str
+    round: int
+
+
+JoinEvent = Progress | ManifestAsk | Verdict
+StreamKey = tuple[str, int, int, str]  # job, round, rank, incarnation
+
+
+class Coordinator:
+    """Registry plus waiting: one asyncio.Event per waiting rank, timers for deadlines."""
+
+    def __init__(
+        self,
+        options: FormationOptions | None = None,
+        *,
+        progress_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.options = options or FormationOptions()
+        self.registry = Registry(self.options, clock)
+        self.clock = clock
+        self.progress_interval_s = progress_interval_s
+        self._pokes: dict[StreamKey, asyncio.Event] = {}
+        self._timers: dict[tuple[str, int, str], asyncio.TimerHandle] = {}
+        self._progress: dict[tuple[str, int], tuple[float, int, Progress]] = {}
+        self._closing = False
+        self.verdict_listeners: list[Callable[[Cohort], None]] = []
+
+    # -- joining -----------------------------------------------------------------------
+    async def join(self, intent: JoinIntent) -> AsyncIterator[JoinEvent]:
+        if self._closing:
+            raise Unavailable("the coordinator is shutting down; retry against its successor")
+        result = self.registry.join(intent)
+        cohort, member = result.cohort, result.member
+        if result.replayed:
+            assert cohort.verdict is not None
+            log.info("verdict replayed", job=cohort.job_id, round=cohort.round, rank=member.rank)
+            yield cohort.verdict
+            return
+        key: StreamKey = (cohort.job_id, cohort.round, member.rank, member.incarnation)
+        superseded = self._pokes.get(key)
+        if superseded is not None:
+            superseded.set()
+        poke = self._pokes[key] = asyncio.Event()
+        log.debug(
+            "rank joined",
+            job=cohort.job_id,
+            round=cohort.round,
+            rank=member.rank,
+            host=member.host,
+            signature=member.signature.hex()[:12],
+        )
+        self._schedule(
+            cohort, "deadline", cohort.state.first_join_at + self.options.join_deadline_s
+        )
+        self.evaluate(cohort)
+        told_ask = False
+        last_progress = float("-inf")
+        try:
+            while True:
+                if cohort.verdict is not None:
+                    yield cohort.verdict
+                    return
+                if self._pokes.get(key) is not poke:
+                    raise FailedPrecondition(
+                        f"rank {member.rank} incarnation {member.incarnation} joined again on "
+                        "another call; this call is superseded"
+                    )
+                if self._closing:
+                    raise Unavailable(
+                        "the coordinator is shutting down; the agent will re-join its successor"
+                    )
+                if not told_ask and cohort.asked.get(member.signature) == (
+                    member.rank,
+                    member.incarnation,
+                ):
+                    told_ask = True
+                    yield ManifestAsk(member.signature, cohort.job_id, cohort.round)
+                now = self.clock()
+                if now - last_progress >= self.progress_interval_s:
+                    last_progress = now
+                    member.last_seen = now
+                    yield self.progress(cohort)
+                wait = self.progress_interval_s - (self.clock() - last_progress)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(poke.wait(), timeout=max(wait, 0.0))
+                poke.clear()
+        finally:
+            if self._pokes.get(key) is poke:
+                del self._pokes[key]
+                if cohort.verdict is None:
+                    self._depart(cohort, member)
+
+    def _depart(self, cohort: Cohort, member: Member) -> None:
+        successor = self.registry.leave(cohort, member)
+        log.info(
+            "rank left before the verdict",
+            job=cohort.job_id,
+            round=cohort.round,
+            rank=member.rank,
+            host=member.host,
+            incarnation=member.incarnation,
+        )
+        if successor is not None:
+            self._poke(cohort, successor)
+
+    def progress(self, cohort: Cohort) -> Progress:
+        """Cached per cohort for a fraction of the interval: 16k waiting ranks share one."""
+        now = self.clock()
+        state = cohort.state
+        cache_key = (cohort.job_id, cohort.round)
+        cached = self._progress.get(cache_key)
+        if cached is not None and cached[1] == state.version and now - cached[0] < 0.25:
+            return cached[2]
+        missing = ranges.compress_capped(ranges.missing(state.members, state.world_size))
+        joined, n = len(state.members), state.world_size
+        message = f"{joined}/{n} ranks joined"
+        if missing:
+            message += f", waiting for ranks {missing}"
+        elif state.classes and len(state.classes) > 1:
+            message += ", waiting for the manifests that explain the mismatch"
+        deadline_in = state.first_join_at + self.options.join_deadline_s - now
+        event = Progress(cohort.job_id, cohort.round, joined, n, missing, message, deadline_in)
+        self._progress[cache_key] = (now, state.version, event)
+        return event
+
+    # -- manifests ---------------------------------------------------------------------
+    def upload(
+        self,
+        job_id: str,
+        round_: int,
+        rank: int,
+        incarnation: str,
+        manifest: Manifest,
+        claimed: bytes,
+    ) -> None:
+        cohort = self.registry.upload(job_id, round_, rank, incarnation, manifest, claimed)
+        log.info(
+            "manifest uploaded",
+            job=job_id,
+            round=round_,
+            rank=rank,
+            signature=claimed.hex()[:12],
+            entries=len(manifest),
+        )
+        self.evaluate(cohort)
+
+    # -- decisions ---------------------------------------------------------------------
+    def evaluate(self, cohort: Cohort) -> None:
+        decision = self.registry.evaluate(cohort)
+        if decision is None:
+            return
+        if cohort.verdict is None:
+            if decision.reason != cohort.last_reason:
+                cohort.last_reason = decision.reason
+                log.debug("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
+            if decision.awaiting_manifests and cohort.state.complete_at is not None:
+                self._schedule(
+                    cohort, "manifests", cohort.state.complete_at + self.options.manifest_timeout_s
+                )
+            return
+        verdict = cohort.verdict
+        log.info(
+            f"cohort {verdict.outcome.value}",
+            job=cohort.job_id,
+            round=cohort.round,
+            reason=verdict.reason,
+            cohort_id=verdict.cohort_id,
+            cause=verdict.cause.value if verdict.cause else None,
+        )
+        for label in ("deadline", "manifests"):
+            timer = self._timers.pop((cohort.job_id, cohort.round, label), None)
+            if timer is not None:
+                timer.cancel()
+        self._progress.pop((cohort.job_id, cohort.round), None)
+        for m in cohort.state.members.values():
+            self._poke(cohort, m)
+        for listener in self.verdict_listeners:
+            listener(cohort)
+
+    def _poke(self, cohort: Cohort, member: Member) -> None:
+        event = self._pokes.get((cohort.job_id, cohort.round, member.rank, member.incarnation))
+        if event is not None:
+            event.set()
+
+    def _schedule(self, cohort: Cohort, label: str, at: float) -> None:
+        """Re-evaluate the cohort at wall time `at`, once per (cohort, label)."""
+        key = (cohort.job_id, cohort.round, label)
+        if key in self._timers:
+            return
+        delay = max(at - self.clock(), 0.0) + 0.01
+        self._timers[key] = asyncio.get_running_loop().call_later(delay, self.evaluate, cohort)
+
+    # -- shutdown ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Wake every waiting join so it ends with UNAVAILABLE and its agent retries."""
+        self._closing = True
+        for event in self._pokes.values():
+            event.set()
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()

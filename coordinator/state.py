@@ -1,0 +1,242 @@
+"""Live jobs and their cohorts in memory: joins, departures, manifest uploads, verdicts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.errors import AlreadyHeld, FailedPrecondition, InvalidArgument, NotFound
+from coordinator.formation import CohortState, Decision, FormationOptions, Member, Outcome, decide
+from coordinator.manifest import Manifest
+from coordinator.report import Verdict, build_verdict
+
+# Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
+# verdict back; older rounds are forgotten (the history database keeps them for good).
+ROUNDS_KEPT = 4
+
+
+@dataclass
+class JoinIntent:
+    """A validated join, in domain terms."""
+
+    job_id: str
+    round: int  # 0: the open round
+    member: Member
+    world_size: int
+
+
+@dataclass
+class Cohort:
+    """A (job, round): its forming state, then its verdict."""
+
+    state: CohortState
+    verdict: Verdict | None = None
+    # signature -> (rank, incarnation) asked to upload its manifest
+    asked: dict[bytes, tuple[int, str]] = field(default_factory=dict)
+    last_reason: str = ""
+
+    @property
+    def job_id(self) -> str:
+        return self.state.job_id
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+
+@dataclass
+class Job:
+    job_id: str
+    current: Cohort
+    rounds: dict[int, Cohort] = field(default_factory=dict)
+    # incarnation -> round it took part in, for decided rounds still kept
+    incarnations: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class JoinResult:
+    cohort: Cohort
+    member: Member
+    ask_manifest: bool
+    replayed: bool = False  # a decided round's verdict handed back to the same incarnation
+
+
+class Registry:
+    """Every job the coordinator holds. Not thread-safe: one event loop owns it."""
+
+    def __init__(self, options: FormationOptions, clock: Callable[[], float]) -> None:
+        self.options = options
+        self.clock = clock
+        self.jobs: dict[str, Job] = {}
+
+    # -- joins -------------------------------------------------------------------------
+    def join(self, intent: JoinIntent) -> JoinResult:
+        now = self.clock()
+        member = intent.member
+        member.joined_at = member.last_seen = now
+        job = self.jobs.get(intent.job_id)
+        if job is not None:
+            replay = self._replay(job, intent)
+            if replay is not None:
+                return replay
+        if job is None:
+            cohort = self._new_cohort(intent, 1, now)
+            job = Job(intent.job_id, cohort, {1: cohort})
+            self.jobs[intent.job_id] = job
+        elif job.current.verdict is not None:
+            self._check_round(job, intent.round, job.current.round + 1)
+            cohort = self._new_cohort(intent, job.current.round + 1, now)
+            job.current = cohort
+            job.rounds[cohort.round] = cohort
+            self._forget_old_rounds(job)
+        else:
+            self._check_round(job, intent.round, job.current.round)
+        cohort = job.current
+        state = cohort.state
+        if intent.world_size != state.world_size:
+            raise FailedPrecondition(
+                f"world size {intent.world_size} disagrees with job '{job.job_id}' round "
+                f"{state.round}, which has world size {state.world_size}; every rank of a "
+                "job must be launched with the same WORLD_SIZE"
+            )
+        if member.rank >= state.world_size:
+            raise InvalidArgument(
+                f"rank {member.rank} is outside [0, {state.world_size}) for world size "
+                f"{state.world_size}"
+            )
+        held = state.members.get(member.rank)
+        if held is not None and held.incarnation != member.incarnation:
+            raise AlreadyHeld(
+                f"rank {member.rank} of job '{job.job_id}' round {state.round} is already held "
+                f"by incarnation {held.incarnation} (host {held.host}, pid {held.pid}); this "
+                f"join is from incarnation {member.incarnation} (host {member.host}, pid "
+                f"{member.pid}). Two processes claim the same RANK: check the launcher."
+            )
+        state.add(member, now)
+        ask = self._needs_uploader(cohort, member.signature)
+        if ask:
+            cohort.asked[member.signature] = (member.rank, member.incarnation)
+        return JoinResult(cohort, member, ask)
+
+    def _replay(self, job: Job, intent: JoinIntent) -> JoinResult | None:
+        past_round = job.incarnations.get(intent.member.incarnation)
+        if past_round is None:
+            return None
+        cohort = job.rounds[past_round]
+        member = cohort.state.members.get(intent.member.rank)
+        if member is None or member.incarnation != intent.member.incarnation:
+            return None
+        return JoinResult(cohort, member, ask_manifest=False, replayed=True)
+
+    def _check_round(self, job: Job, asked: int, open_round: int) -> None:
+        if asked in (0, open_round):
+            return
+        over = job.rounds.get(asked)
+        if asked < open_round:
+            outcome = over.verdict.outcome.value if over and over.verdict else "decided"
+            raise FailedPrecondition(
+                f"round {asked} of job '{job.job_id}' is over ({outcome}); the open round is "
+                f"{open_round}. Join without a round to take part in it."
+            )
+        raise FailedPrecondition(
+            f"round {asked} of job '{job.job_id}' does not exist yet; the open round is "
+            f"{open_round}"
+        )
+
+    def _new_cohort(self, intent: JoinIntent, round_: int, now: float) -> Cohort:
+        return Cohort(CohortState(intent.job_id, round_, intent.world_size, first_join_at=now))
+
+    def _forget_old_rounds(self, job: Job) -> None:
+        for old in sorted(job.rounds)[:-ROUNDS_KEPT]:
+            cohort = job.rounds.pop(old)
+            for m in cohort.state.members.values():
+                job.incarnations.pop(m.incarnation, None)
+
+    def _needs_uploader(self, cohort: Cohort, signature: bytes) -> bool:
+        if signature in cohort.state.manifests:
+            return False
+        asked = cohort.asked.get(signature)
+        if asked is None:
+            return True
+        holder = cohort.state.members.get(asked[0])
+        return holder is None or holder.incarnation != asked[1]
+
+    # -- departures --------------------------------------------------------------------
+    def leave(self, cohort: Cohort, member: Member) -> Member | None:
+        """A rank's call dropped before the verdict: free its rank for a restarted process.
+
+        Returns another member of the same class to ask for the manifest, where the one
+        that left had been asked and had not uploaded yet.
+        """
+        if cohort.verdict is not None:
+            return None
+        cohort.state.remove(member, self.clock())
+        asked = cohort.asked.get(member.signature)
+        if asked != (member.rank, member.incarnation):
+            return None
+        del cohort.asked[member.signature]
+        ranks = cohort.state.classes.get(member.signature)
+        if not ranks or member.signature in cohort.state.manifests:
+            return None
+        successor = cohort.state.members[min(ranks)]
+        cohort.asked[member.signature] = (successor.rank, successor.incarnation)
+        return successor
+
+    # -- manifests ---------------------------------------------------------------------
+    def upload(
+        self,
+        job_id: str,
+        round_: int,
+        rank: int,
+        incarnation: str,
+        manifest: Manifest,
+        claimed: bytes,
+    ) -> Cohort:
+        job = self.jobs.get(job_id)
+        cohort = job.rounds.get(round_) if job else None
+        if job is None or cohort is None:
+            raise NotFound(f"no round {round_} of job '{job_id}' is held by this coordinator")
+        member = cohort.state.members.get(rank)
+        if member is None or member.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"rank {rank} incarnation {incarnation} is not a member of job '{job_id}' "
+                f"round {round_}: join before uploading a manifest"
+            )
+        if claimed != member.signature:
+            raise InvalidArgument(
+                f"upload claims signature {claimed.hex()[:12]}, but rank {rank} joined with "
+                f"{member.signature.hex()[:12]}"
+            )
+        actual = manifest.signature()
+        if actual != claimed:
+            raise InvalidArgument(
+                f"the manifest uploaded by rank {rank} (host {member.host}) hashes to "
+                f"{actual.hex()[:12]}, not to the signature {claimed.hex()[:12]} it joined "
+                "with: agent and coordinator disagree on the encoding, or the model changed "
+                "between signing and uploading"
+            )
+        if len(manifest) != member.manifest_entries:
+            raise InvalidArgument(
+                f"the manifest uploaded by rank {rank} has {len(manifest)} entries, but the "
+                f"join announced {member.manifest_entries}"
+            )
+        cohort.state.manifests.setdefault(claimed, manifest)
+        return cohort
+
+    # -- decisions ---------------------------------------------------------------------
+    def evaluate(self, cohort: Cohort) -> Decision | None:
+        """Run the formation decision; on FORMED or REFUSED, record the verdict."""
+        if cohort.verdict is not None:
+            return None
+        now = self.clock()
+        decision = decide(cohort.state, now, self.options)
+        if decision.outcome is Outcome.WAITING:
+            return decision
+        cohort.verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
+        job = self.jobs[cohort.job_id]
+        for m in cohort.state.members.values():
+            job.incarnations[m.incarnation] = cohort.round
+        return decision
+
+    def waiting(self) -> list[Cohort]:
+        return [j.current for j in self.jobs.values() if j.current.verdict is None]

@@ -1,0 +1,250 @@
+"""Proto <-> domain conversion; every field from the network is validated here first."""
+
+from __future__ import annotations
+
+from coordinator import ranges
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.diff import LIST_CAP, Change, ManifestDiff, OrderChange
+from coordinator.diff import FirstDifference as DomainFirstDifference
+from coordinator.errors import FailedPrecondition, InvalidArgument, LimitExceeded
+from coordinator.formation import Cause, Member, Outcome
+from coordinator.manifest import MANIFEST_FORMAT_VERSION, Entry, Kind, Manifest, ManifestError
+from coordinator.report import Verdict
+from coordinator.state import JoinIntent
+
+PROTOCOL_VERSION = 1
+
+MAX_JOB_ID = 256
+MAX_TEXT = 512
+MAX_WORLD_SIZE = 1 << 20
+MAX_MANIFEST_ENTRIES = 1_000_000
+MAX_NAME = 1024
+MAX_DIMS = 64
+
+_KIND_TO_PB = {
+    Kind.PARAMETER: pb.ManifestEntry.KIND_PARAMETER,
+    Kind.BUFFER: pb.ManifestEntry.KIND_BUFFER,
+}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+_CAUSE_TO_PB = {
+    Cause.SIGNATURE_MISMATCH: pb.Refusal.CAUSE_SIGNATURE_MISMATCH,
+    Cause.DEADLINE: pb.Refusal.CAUSE_DEADLINE,
+}
+
+
+def _text(value: str, field: str, limit: int = MAX_TEXT, *, required: bool = False) -> str:
+    if required and not value:
+        raise InvalidArgument(f"{field} is empty; it is required")
+    if len(value) > limit:
+        raise InvalidArgument(f"{field} is {len(value)} characters long; the limit is {limit}")
+    if not value.isprintable():
+        raise InvalidArgument(f"{field} {value[:40]!r} holds non-printable characters")
+    return value
+
+
+def join_intent(req: pb.JoinRequest) -> JoinIntent:
+    if req.protocol_version != PROTOCOL_VERSION:
+        raise FailedPrecondition(
+            f"agent speaks protocol {req.protocol_version}, coordinator {PROTOCOL_VERSION}: "
+            "upgrade the older of the two so both speak the same version"
+        )
+    job_id = _text(req.job_id, "job_id", MAX_JOB_ID, required=True)
+    if req.world_size == 0:
+        raise InvalidArgument("world_size is 0; a cohort needs at least one rank")
+    if req.world_size > MAX_WORLD_SIZE:
+        raise LimitExceeded(
+            f"world_size {req.world_size} is above this coordinator's limit {MAX_WORLD_SIZE}"
+        )
+    if len(req.signature) != 32:
+        raise InvalidArgument(
+            f"signature is {len(req.signature)} bytes; a SHA-256 signature is 32 bytes"
+        )
+    if req.manifest_entries > MAX_MANIFEST_ENTRIES:
+        raise LimitExceeded(
+            f"manifest_entries {req.manifest_entries} is above the limit {MAX_MANIFEST_ENTRIES}"
+        )
+    init_method = _text(req.init_method, "init_method")
+    if req.rank == 0 and not init_method:
+        raise InvalidArgument(
+            "rank 0 offered no init_method: rank 0 must offer the rendezvous endpoint "
+            "(tcp://HOST:PORT) that the cohort will use"
+        )
+    runtime = {
+        "torch_version": _text(req.runtime.torch_version, "runtime.torch_version"),
+        "cuda_version": _text(req.runtime.cuda_version, "runtime.cuda_version"),
+        "nccl_version": _text(req.runtime.nccl_version, "runtime.nccl_version"),
+        "device_type": _text(req.runtime.device_type, "runtime.device_type"),
+        "device_name": _text(req.runtime.device_name, "runtime.device_name"),
+    }
+    member = Member(
+        rank=req.rank,
+        host=_text(req.host, "host", required=True),
+        pid=req.pid,
+        incarnation=_text(req.incarnation, "incarnation", 128, required=True),
+        signature=bytes(req.signature),
+        manifest_entries=req.manifest_entries,
+        local_rank=req.local_rank,
+        init_method=init_method,
+        runtime=runtime,
+    )
+    return JoinIntent(job_id=job_id, round=req.round, member=member, world_size=req.world_size)
+
+
+# -- manifests ------------------------------------------------------------------------
+def entry_to_pb(entry: Entry) -> pb.ManifestEntry:
+    msg = pb.ManifestEntry(
+        kind=_KIND_TO_PB[entry.kind],
+        name=entry.name,
+        dtype=entry.dtype,
+        shape=entry.shape,
+        requires_grad=entry.requires_grad,
+    )
+    if entry.alias_of is not None:
+        msg.alias_of = entry.alias_of
+    if entry.strides is not None:
+        msg.strides.values.extend(entry.strides)
+    return msg
+
+
+def manifest_to_pb(manifest: Manifest) -> pb.Manifest:
+    return pb.Manifest(
+        format=MANIFEST_FORMAT_VERSION, entries=[entry_to_pb(e) for e in manifest.entries]
+    )
+
+
+def entry_from_pb(msg: pb.ManifestEntry, position: int) -> Entry:
+    kind = _KIND_FROM_PB.get(msg.kind)
+    if kind is None:
+        raise InvalidArgument(f"manifest entry {position} has no kind (parameter or buffer)")
+    if len(msg.name) > MAX_NAME:
+        raise LimitExceeded(
+            f"manifest entry {position} has a name of {len(msg.name)} characters; "
+            f"the limit is {MAX_NAME}"
+        )
+    if len(msg.shape) > MAX_DIMS or len(msg.strides.values) > MAX_DIMS:
+        raise LimitExceeded(
+            f"manifest entry {position} ('{msg.name[:80]}') has more than {MAX_DIMS} dimensions"
+        )
+    return Entry(
+        kind,
+        msg.name,
+        msg.dtype,
+        tuple(msg.shape),
+        msg.requires_grad,
+        msg.alias_of if msg.HasField("alias_of") else None,
+        tuple(msg.strides.values) if msg.HasField("strides") else None,
+    )
+
+
+def manifest_from_pb(msg: pb.Manifest) -> Manifest:
+    if msg.format != MANIFEST_FORMAT_VERSION:
+        raise FailedPrecondition(
+            f"manifest format {msg.format} is not the format this coordinator reads "
+            f"({MANIFEST_FORMAT_VERSION}); upgrade the older of agent and coordinator"
+        )
+    if len(msg.entries) > MAX_MANIFEST_ENTRIES:
+        raise LimitExceeded(
+            f"manifest has {len(msg.entries)} entries; the limit is {MAX_MANIFEST_ENTRIES}"
+        )
+    try:
+        return Manifest.of(entry_from_pb(e, i) for i, e in enumerate(msg.entries))
+    except ManifestError as exc:
+        raise InvalidArgument(f"invalid manifest: {exc}") from exc
+
+
+# -- verdicts -------------------------------------------------------------------------
+def _changes(items: tuple[Change, ...]) -> list[pb.EntryChange]:
+    return [
+        pb.EntryChange(name=c.name, reference=entry_to_pb(c.reference), other=entry_to_pb(c.other))
+        for c in items[:LIST_CAP]
+    ]
+
+
+def _orders(items: tuple[OrderChange, ...]) -> list[pb.OrderChange]:
+    return [
+        pb.OrderChange(
+            kind=o.kind,
+            position=o.position,
+            reference_name=o.reference_name,
+            other_name=o.other_name,
+        )
+        for o in items
+    ]
+
+
+def _first(first: DomainFirstDifference | None) -> pb.FirstDifference | None:
+    if first is None:
+        return None
+    msg = pb.FirstDifference(position=first.position)
+    if first.reference is not None:
+        msg.reference.CopyFrom(entry_to_pb(first.reference))
+    if first.other is not None:
+        msg.other.CopyFrom(entry_to_pb(first.other))
+    return msg
+
+
+def diff_to_pb(d: ManifestDiff | None) -> pb.ManifestDiff:
+    if d is None:
+        return pb.ManifestDiff(available=False)
+    msg = pb.ManifestDiff(
+        available=True,
+        rendered=d.render(),
+        reference_size=d.reference_size,
+        other_size=d.other_size,
+        missing=[entry_to_pb(e) for e in d.missing[:LIST_CAP]],
+        extra=[entry_to_pb(e) for e in d.extra[:LIST_CAP]],
+        shape_changed=_changes(d.shape_changed),
+        dtype_changed=_changes(d.dtype_changed),
+        kind_changed=_changes(d.kind_changed),
+        requires_grad_changed=_changes(d.requires_grad_changed),
+        tying_changed=_changes(d.tying_changed),
+        strides_changed=_changes(d.strides_changed),
+        order_changed=_orders(d.order_changed),
+    )
+    first = _first(d.first_difference)
+    if first is not None:
+        msg.first_difference.CopyFrom(first)
+    for key in (
+        "missing",
+        "extra",
+        "shape_changed",
+        "dtype_changed",
+        "kind_changed",
+        "requires_grad_changed",
+        "tying_changed",
+        "strides_changed",
+        "order_changed",
+    ):
+        msg.counts[key] = len(getattr(d, key))
+    return msg
+
+
+def verdict_to_pb(v: Verdict) -> pb.Verdict:
+    msg = pb.Verdict(
+        outcome=pb.Verdict.OUTCOME_FORMED
+        if v.outcome is Outcome.FORMED
+        else pb.Verdict.OUTCOME_REFUSED,
+        job_id=v.job_id,
+        round=v.round,
+        cohort_id=v.cohort_id,
+        world_size=v.world_size,
+        init_method=v.init_method,
+        reason=v.reason,
+        decided_at_unix=v.decided_at,
+    )
+    if v.outcome is Outcome.REFUSED and v.cause is not None:
+        msg.refusal.cause = _CAUSE_TO_PB[v.cause]
+        msg.refusal.report = v.report
+        msg.refusal.missing_ranks = ranges.compress(v.missing_ranks)
+        msg.refusal.present_ranks = ranges.compress(v.present_ranks)
+        for c in v.classes:
+            cls = msg.refusal.classes.add(
+                signature=c.signature,
+                ranks=c.ranks_text,
+                hosts=list(c.hosts),
+                reference=c.reference,
+                manifest_entries=c.manifest_entries,
+            )
+            if not c.reference:
+                cls.diff.CopyFrom(diff_to_pb(v.diffs.get(c.signature)))
+    return msg

@@ -1,0 +1,83 @@
+"""A small DDP training job gated by cohortgate. Launch with torchrun or `cohortgate run`.
+
+Flags make chosen ranks build a different model, to show a refusal:
+  --wide-rank R     rank R builds a wider hidden layer
+  --float64-rank R  rank R holds one block in float64 (DDP itself would not notice)
+  --absent-rank R   rank R never joins (the coordinator's deadline names it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import agent
+
+
+def build_model(hidden: int, float64_block: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 1)
+    )
+    if float64_block:
+        model[2].to(torch.float64)
+    return model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--wide-rank", type=int, default=-1)
+    parser.add_argument("--float64-rank", type=int, default=-1)
+    parser.add_argument("--absent-rank", type=int, default=-1)
+    args = parser.parse_args()
+
+    rank = int(os.environ["RANK"])
+    if rank == args.absent_rank:
+        time.sleep(3600)  # alive but never joins: torchrun ends it once the others fail
+        return 0
+    hidden = args.hidden * 2 if rank == args.wide_rank else args.hidden
+    model = build_model(hidden, float64_block=rank == args.float64_rank)
+
+    try:
+        cohort = agent.init_process_group(model, backend="gloo")
+    except agent.CohortRefused:
+        return 3  # the report is already on stderr and in torchrun's error file
+
+    # The cohort's own endpoint carries the collectives: check it sums correctly.
+    total = torch.tensor([float(cohort.rank + 1)])
+    dist.all_reduce(total)
+    expected = cohort.world_size * (cohort.world_size + 1) / 2
+    if total.item() != expected:
+        print(f"rank {cohort.rank}: all_reduce gave {total.item()}, expected {expected}")
+        return 1
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(cohort.rank)
+    for step in range(args.steps):
+        x = torch.randn(16, 32, generator=gen)
+        loss = ddp(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if cohort.rank == 0:
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    print(
+        f"rank {cohort.rank}/{cohort.world_size}: cohort {cohort.cohort_id} formed, "
+        f"all_reduce sum {total.item():g}, trained {args.steps} steps",
+        flush=True,
+    )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
