@@ -130,6 +130,33 @@ def join(
             delay = min(delay * 2, opts.backoff_max_s)
 
 
+def _upload(
+    stub: pb_grpc.CohortServiceStub,
+    identity: RankIdentity,
+    manifest: Manifest,
+    round_: int,
+    timeout: float,
+) -> None:
+    """Answer a manifest request. A refused upload is not the end: the coordinator refuses
+    the whole cohort for it, and this rank waits on its join to receive that verdict too."""
+    try:
+        stub.UploadManifest(
+            pb.UploadManifestRequest(
+                job_id=identity.job_id,
+                round=round_,
+                rank=identity.rank,
+                incarnation=identity.incarnation,
+                signature=manifest.signature(),
+                manifest=wire.manifest_to_pb(manifest),
+            ),
+            timeout=min(timeout, 60.0),
+        )
+    except grpc.RpcError as exc:
+        if exc.code() in RETRYABLE:
+            raise  # the join is retried and the coordinator asks again
+        _say(f"rank {identity.rank}: the coordinator refused our manifest: {exc.details()}")
+
+
 def _stream(
     stub: pb_grpc.CohortServiceStub,
     request: pb.JoinRequest,
@@ -138,36 +165,22 @@ def _stream(
     timeout: float,
     on_progress: Callable[[pb.Progress], None] | None,
 ) -> pb.Verdict:
-    last_said = 0.0
-    last_joined = -1
+    last_said = float("-inf")
     for event in stub.Join(request, timeout=timeout, wait_for_ready=True):
         kind = event.WhichOneof("event")
         if kind == "verdict":
             verdict: pb.Verdict = event.verdict
             return verdict
         if kind == "manifest_request":
-            stub.UploadManifest(
-                pb.UploadManifestRequest(
-                    job_id=identity.job_id,
-                    round=event.manifest_request.round,
-                    rank=identity.rank,
-                    incarnation=identity.incarnation,
-                    signature=manifest.signature(),
-                    manifest=wire.manifest_to_pb(manifest),
-                ),
-                timeout=min(timeout, 60.0),
-            )
+            _upload(stub, identity, manifest, event.manifest_request.round, timeout)
         elif kind == "progress":
             progress = event.progress
             request.round = progress.round  # a reconnect re-joins this round, not a new one
             if on_progress is not None:
                 on_progress(progress)
             now = time.monotonic()
-            if identity.rank == 0 and (
-                now - last_said >= PROGRESS_EVERY_S
-                or (last_joined < 0 and progress.joined != last_joined)
-            ):
-                last_said, last_joined = now, progress.joined
+            if identity.rank == 0 and now - last_said >= PROGRESS_EVERY_S:
+                last_said = now
                 _say(f"job {progress.job_id} round {progress.round}: {progress.message}")
     raise CohortgateError(
         f"the cohortgate coordinator at {identity.addr} ended the join of rank "

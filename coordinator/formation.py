@@ -57,6 +57,8 @@ class CohortState:
     # signature -> ranks holding it, kept up to date so a decision never regroups N ranks.
     classes: dict[bytes, set[int]] = field(default_factory=dict)
     manifests: dict[bytes, Manifest] = field(default_factory=dict)
+    # signature -> why its uploaded manifest was rejected (it did not hash to the signature)
+    invalid_manifests: dict[bytes, str] = field(default_factory=dict)
     complete_at: float | None = None
     departures: list[Departure] = field(default_factory=list)
     # Bumped on every membership change; lets callers cache what they derive from members.
@@ -102,6 +104,7 @@ class Outcome(enum.StrEnum):
 class Cause(enum.StrEnum):
     SIGNATURE_MISMATCH = "signature_mismatch"
     DEADLINE = "deadline"
+    MANIFEST_INVALID = "manifest_invalid"
 
 
 @dataclass(frozen=True)
@@ -175,22 +178,36 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
             missing_ranks=tuple(missing),
             present_ranks=tuple(sorted(cohort.members)),
         )
-    if len(cohort.classes) == 1:
+    # Refused only once every rank is here, so that every rank hears why.
+    if cohort.invalid_manifests:
         return Decision(
-            Outcome.FORMED,
-            f"[{n}/{n} ranks joined, 1 signature]",
-            classes=signature_classes(cohort),
+            Outcome.REFUSED,
+            f"[{len(cohort.invalid_manifests)} uploaded manifest(s) did not hash to the "
+            "signature their rank joined with]",
+            cause=Cause.MANIFEST_INVALID,
+            detail={"invalid_manifests": dict(cohort.invalid_manifests)},
         )
     classes = signature_classes(cohort)
+    # Each class's manifest is checked against its signature before the verdict: for one
+    # class that proves the signature is honest, for several it explains the difference.
     awaiting = tuple(c.signature for c in classes if c.signature not in cohort.manifests)
     complete_at = cohort.complete_at if cohort.complete_at is not None else now
-    reason = f"[{n}/{n} ranks joined, {len(classes)} different signatures]"
+    signatures = "1 signature" if len(classes) == 1 else f"{len(classes)} different signatures"
     if awaiting and now < complete_at + options.manifest_timeout_s:
         return Decision(
             Outcome.WAITING,
-            f"[{n}/{n} ranks joined, {len(classes)} different signatures, waiting for "
-            f"{len(awaiting)} manifest(s) to explain them]",
+            f"[{n}/{n} ranks joined, {signatures}, waiting for {len(awaiting)} manifest(s)]",
             classes=classes,
             awaiting_manifests=awaiting,
         )
-    return Decision(Outcome.REFUSED, reason, cause=Cause.SIGNATURE_MISMATCH, classes=classes)
+    if len(classes) == 1:
+        unverified = ", manifest not verified" if awaiting else ""
+        return Decision(
+            Outcome.FORMED, f"[{n}/{n} ranks joined, 1 signature{unverified}]", classes=classes
+        )
+    return Decision(
+        Outcome.REFUSED,
+        f"[{n}/{n} ranks joined, {signatures}]",
+        cause=Cause.SIGNATURE_MISMATCH,
+        classes=classes,
+    )

@@ -140,6 +140,15 @@ def build_verdict(
             present_ranks=decision.present_ranks,
             report=report,
         )
+    if decision.cause is Cause.MANIFEST_INVALID:
+        reasons = "\n".join(f"  {why}" for why in cohort.invalid_manifests.values())
+        report = (
+            f"cohortgate refused to form job '{cohort.job_id}' round {cohort.round}: a rank's "
+            f"uploaded manifest did not match its signature.\n{reasons}\n"
+            "What to do: run the same cohortgate version on every rank and the coordinator; "
+            "a rank that changes its model after signing must sign again."
+        )
+        return replace(base, report=report)
     reference = cohort.manifests.get(decision.classes[0].signature)
     diffs: dict[bytes, ManifestDiff | None] = {}
     for c in decision.classes[1:]:

@@ -15,7 +15,7 @@ from coordinator.errors import FailedPrecondition, Unavailable
 from coordinator.formation import FormationOptions, Member
 from coordinator.manifest import Manifest
 from coordinator.report import Verdict
-from coordinator.state import Cohort, JoinIntent, Registry
+from coordinator.state import Cohort, JoinIntent, ManifestMismatch, Registry
 
 log = structlog.get_logger("cohortgate")
 
@@ -170,7 +170,11 @@ class Coordinator:
         manifest: Manifest,
         claimed: bytes,
     ) -> None:
-        cohort = self.registry.upload(job_id, round_, rank, incarnation, manifest, claimed)
+        try:
+            cohort = self.registry.upload(job_id, round_, rank, incarnation, manifest, claimed)
+        except ManifestMismatch as exc:
+            self.evaluate(exc.cohort)  # every rank learns why, not only the uploader
+            raise
         log.info(
             "manifest uploaded",
             job=job_id,

@@ -15,6 +15,14 @@ from coordinator.report import Verdict, build_verdict
 ROUNDS_KEPT = 4
 
 
+class ManifestMismatch(InvalidArgument):
+    """An upload that does not hash to its signature; the cohort is refused for it."""
+
+    def __init__(self, message: str, cohort: Cohort) -> None:
+        super().__init__(message)
+        self.cohort = cohort
+
+
 @dataclass
 class JoinIntent:
     """A validated join, in domain terms."""
@@ -74,6 +82,12 @@ class Registry:
         now = self.clock()
         member = intent.member
         member.joined_at = member.last_seen = now
+        # Checked before anything is created: a refused join must leave no trace.
+        if member.rank >= intent.world_size:
+            raise InvalidArgument(
+                f"rank {member.rank} is outside [0, {intent.world_size}) for world size "
+                f"{intent.world_size}"
+            )
         job = self.jobs.get(intent.job_id)
         if job is not None:
             replay = self._replay(job, intent)
@@ -98,11 +112,6 @@ class Registry:
                 f"world size {intent.world_size} disagrees with job '{job.job_id}' round "
                 f"{state.round}, which has world size {state.world_size}; every rank of a "
                 "job must be launched with the same WORLD_SIZE"
-            )
-        if member.rank >= state.world_size:
-            raise InvalidArgument(
-                f"rank {member.rank} is outside [0, {state.world_size}) for world size "
-                f"{state.world_size}"
             )
         held = state.members.get(member.rank)
         if held is not None and held.incarnation != member.incarnation:
@@ -209,12 +218,14 @@ class Registry:
             )
         actual = manifest.signature()
         if actual != claimed:
-            raise InvalidArgument(
+            message = (
                 f"the manifest uploaded by rank {rank} (host {member.host}) hashes to "
                 f"{actual.hex()[:12]}, not to the signature {claimed.hex()[:12]} it joined "
                 "with: agent and coordinator disagree on the encoding, or the model changed "
                 "between signing and uploading"
             )
+            cohort.state.invalid_manifests.setdefault(claimed, message)
+            raise ManifestMismatch(message, cohort)
         if len(manifest) != member.manifest_entries:
             raise InvalidArgument(
                 f"the manifest uploaded by rank {rank} has {len(manifest)} entries, but the "

@@ -29,6 +29,7 @@ _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 _CAUSE_TO_PB = {
     Cause.SIGNATURE_MISMATCH: pb.Refusal.CAUSE_SIGNATURE_MISMATCH,
     Cause.DEADLINE: pb.Refusal.CAUSE_DEADLINE,
+    Cause.MANIFEST_INVALID: pb.Refusal.CAUSE_MANIFEST_INVALID,
 }
 
 

@@ -1,31 +1,89 @@
-"""The main demo: sign two models and show how cohortgate explains their difference."""
+"""The main demo: one coordinator, a 4-rank torchrun job that forms and trains, then a job
+with one mismatching rank that every rank refuses with the same report."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-import torch
-from torch import nn
-
-import agent
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE / "train.py"
 
 
-def model(hidden: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-    return nn.Sequential(nn.Linear(64, hidden), nn.GELU(), nn.Linear(hidden, 64)).to(dtype)
+def banner(text: str) -> None:
+    print(f"\n{'=' * 78}\n== {text}\n{'=' * 78}", flush=True)
+
+
+def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port_file = tmp / "port"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            "--join-deadline",
+            "60",
+            "--log-format",
+            "console",
+        ],
+    )
+    give_up = time.monotonic() + 30
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > give_up:
+            raise SystemExit("the coordinator did not start")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def torchrun(addr: str, job: str, *args: str) -> int:
+    env = {**os.environ, "COHORTGATE_ADDR": addr, "COHORTGATE_JOB": job, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        str(TRAIN),
+        *args,
+    ]
+    print("$ COHORTGATE_ADDR=" + addr, "torchrun --nproc-per-node 4 examples/train.py", *args)
+    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def main() -> int:
-    reference = agent.manifest(model(256))
-    print(f"reference signature {reference.signature_hex()[:16]}  ({len(reference)} tensors)")
-    for label, other in (
-        ("same model", model(256)),
-        ("wider hidden layer", model(512)),
-        ("float64 weights (DDP would not notice)", model(256, torch.float64)),
-    ):
-        m = agent.manifest(other)
-        print(f"\n== {label}: signature {m.signature_hex()[:16]}")
-        print(agent.diff(reference, m))
-    return 0
+    with tempfile.TemporaryDirectory(prefix="cohortgate-demo-") as tmp:
+        banner("starting the coordinator")
+        coordinator, addr = start_coordinator(Path(tmp))
+        try:
+            banner("job 1: four ranks, identical models -> formed, trains 5 steps")
+            formed = torchrun(addr, "demo-good", "--steps", "5")
+            banner("job 2: rank 2 builds a wider hidden layer -> refused on every rank")
+            refused = torchrun(addr, "demo-mismatch", "--wide-rank", "2")
+        finally:
+            coordinator.send_signal(signal.SIGTERM)
+            coordinator.wait(timeout=30)
+    banner("summary")
+    first = "FORMED" if formed == 0 else "FAILED"
+    second = "REFUSED" if refused else "FORMED?!"
+    print(f"job 1 (identical models): torchrun exit code {formed} -> {first}")
+    print(f"job 2 (rank 2 wider):     torchrun exit code {refused} -> {second}")
+    ok = formed == 0 and refused != 0
+    print("demo", "succeeded" if ok else "did NOT behave as expected")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

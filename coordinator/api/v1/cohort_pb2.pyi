@@ -437,11 +437,15 @@ class Refusal(_message.Message):
         CAUSE_UNSPECIFIED: Refusal._Cause.ValueType  # 0
         CAUSE_SIGNATURE_MISMATCH: Refusal._Cause.ValueType  # 1
         CAUSE_DEADLINE: Refusal._Cause.ValueType  # 2
+        CAUSE_MANIFEST_INVALID: Refusal._Cause.ValueType  # 3
+        """an uploaded manifest did not hash to its signature"""
 
     class Cause(_Cause, metaclass=_CauseEnumTypeWrapper): ...
     CAUSE_UNSPECIFIED: Refusal.Cause.ValueType  # 0
     CAUSE_SIGNATURE_MISMATCH: Refusal.Cause.ValueType  # 1
     CAUSE_DEADLINE: Refusal.Cause.ValueType  # 2
+    CAUSE_MANIFEST_INVALID: Refusal.Cause.ValueType  # 3
+    """an uploaded manifest did not hash to its signature"""
 
     CAUSE_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int

@@ -1,0 +1,208 @@
+"""Test helpers: a real coordinator on a free loopback port, and raw gRPC ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from coordinator import wire
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.config import ServeConfig
+from coordinator.manifest import Entry, Kind, Manifest
+from coordinator.server import RunningServer, start
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class InProcessCoordinator:
+    """A real grpc.aio server on 127.0.0.1:0, its event loop on a background thread."""
+
+    def __init__(self, **config: Any) -> None:
+        self.config = ServeConfig(listen="127.0.0.1:0", **config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.running: RunningServer = asyncio.run_coroutine_threadsafe(
+            start(self.config), self.loop
+        ).result(timeout=30)
+        self.addr = f"127.0.0.1:{self.running.port}"
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run fn(*args) on the server's loop (for reading its state safely)."""
+
+        async def run() -> Any:
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.stop(0.5), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def manifest_of(width: int = 4, dtype: str = "float32", extra: int = 0) -> Manifest:
+    entries = [
+        Entry(Kind.PARAMETER, "fc.weight", dtype, (width, 8), True),
+        Entry(Kind.PARAMETER, "fc.bias", dtype, (width,), True),
+    ]
+    entries += [Entry(Kind.PARAMETER, f"extra{i}", dtype, (2,), True) for i in range(extra)]
+    entries.append(Entry(Kind.BUFFER, "steps", "int64", ()))
+    return Manifest.of(entries)
+
+
+@dataclass
+class RankResult:
+    rank: int
+    verdict: pb.Verdict | None = None
+    error: grpc.RpcError | None = None
+    upload_error: grpc.RpcError | None = None
+    progress: list[pb.Progress] = field(default_factory=list)
+    manifest_requests: int = 0
+
+
+def join_request(
+    job: str, rank: int, world: int, manifest: Manifest, **overrides: Any
+) -> pb.JoinRequest:
+    fields: dict[str, Any] = {
+        "protocol_version": wire.PROTOCOL_VERSION,
+        "job_id": job,
+        "rank": rank,
+        "world_size": world,
+        "local_rank": rank,
+        "host": f"host{rank // 4}",
+        "pid": 1000 + rank,
+        "incarnation": uuid.uuid4().hex,
+        "signature": manifest.signature(),
+        "manifest_entries": len(manifest),
+        "init_method": "tcp://127.0.0.1:29999" if rank == 0 else "",
+    }
+    fields.update(overrides)
+    return pb.JoinRequest(**fields)
+
+
+def run_rank(
+    addr: str,
+    request: pb.JoinRequest,
+    manifest: Manifest,
+    timeout: float = 30.0,
+    upload: Manifest | None = None,
+) -> RankResult:
+    """One rank: join, upload when asked, collect progress, return the verdict or error."""
+    result = RankResult(request.rank)
+    with grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        try:
+            for event in stub.Join(request, timeout=timeout):
+                kind = event.WhichOneof("event")
+                if kind == "progress":
+                    result.progress.append(event.progress)
+                elif kind == "manifest_request":
+                    result.manifest_requests += 1
+                    sent = upload or manifest
+                    try:
+                        stub.UploadManifest(
+                            pb.UploadManifestRequest(
+                                job_id=request.job_id,
+                                round=event.manifest_request.round,
+                                rank=request.rank,
+                                incarnation=request.incarnation,
+                                signature=request.signature,
+                                manifest=wire.manifest_to_pb(sent),
+                            ),
+                            timeout=timeout,
+                        )
+                    except grpc.RpcError as exc:  # as the agent does: keep waiting
+                        result.upload_error = exc
+                elif kind == "verdict":
+                    result.verdict = event.verdict
+        except grpc.RpcError as exc:
+            result.error = exc
+    return result
+
+
+def run_cohort(
+    addr: str,
+    job: str,
+    manifests: dict[int, Manifest],
+    world: int | None = None,
+    timeout: float = 30.0,
+) -> list[RankResult]:
+    world = world or len(manifests)
+    with ThreadPoolExecutor(max_workers=len(manifests)) as pool:
+        futures = [
+            pool.submit(run_rank, addr, join_request(job, r, world, m), m, timeout)
+            for r, m in manifests.items()
+        ]
+        return [f.result() for f in futures]
+
+
+def sha(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+@contextlib.contextmanager
+def coordinator_process(*flags: str, tmp: Path) -> Iterator[tuple[str, Path]]:
+    """`cohortgate serve` as a real subprocess on a free port; yields (addr, log path)."""
+    port_file = tmp / f"port-{uuid.uuid4().hex[:6]}"
+    log = tmp / f"coordinator-{uuid.uuid4().hex[:6]}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--port-file",
+                str(port_file),
+                "--log-format",
+                "json",
+                *flags,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        give_up = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if proc.poll() is not None or time.monotonic() > give_up:
+                raise RuntimeError(f"coordinator did not start: {log.read_text()}")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port_file.read_text().strip()}", log
+    finally:
+        kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """End a process started with start_new_session=True and everything it started."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

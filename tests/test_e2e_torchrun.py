@@ -1,0 +1,167 @@
+"""End to end: a real coordinator process and real `torchrun --nproc-per-node 4` jobs on gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, coordinator_process, kill_group
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+TRAIN = REPO / "examples" / "train.py"
+
+
+def torchrun(addr: str, job: str, *script_args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.update(
+        COHORTGATE_ADDR=addr,
+        COHORTGATE_JOB=job,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        str(TRAIN),
+        *script_args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=tmp,
+    )
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def log_events(log: Path) -> list[dict[str, object]]:
+    events = []
+    for line in log.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def stamp(event: dict[str, object]) -> float:
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def test_identical_models_form_and_all_reduce(tmp_path: Path) -> None:
+    with coordinator_process("--join-deadline", "60", tmp=tmp_path) as (addr, log):
+        result = torchrun(addr, "e2e-formed", "--steps", "3", tmp=tmp_path)
+    assert result.returncode == 0, result.stdout
+    for rank in range(4):
+        assert re.search(
+            rf"rank {rank}/4: cohort e2e-formed/1/\w+ formed, all_reduce sum 10, trained 3 steps",
+            result.stdout,
+        ), result.stdout
+    verdicts = [e for e in log_events(log) if e.get("event") == "cohort formed"]
+    assert len(verdicts) == 1 and verdicts[0]["reason"] == "[4/4 ranks joined, 1 signature]"
+
+
+def test_wider_rank_is_refused_on_every_rank_within_seconds(tmp_path: Path) -> None:
+    with coordinator_process("--join-deadline", "60", "--log-level", "debug", tmp=tmp_path) as (
+        addr,
+        log,
+    ):
+        result = torchrun(addr, "e2e-wide", "--wide-rank", "2", tmp=tmp_path)
+        ended = datetime.now().timestamp()
+        events = log_events(log)
+    out = result.stdout
+    assert result.returncode != 0
+    host = os.uname().nodename
+    for rank in range(4):
+        assert f"[cohortgate] rank {rank} on {host}: cohort refused" in out, out
+        # Every rank ends non-zero: 3 from our refusal, or torchrun's SIGTERM once the first
+        # refused rank has exited (it stops the rest of the group at the first failure).
+        code = re.search(
+            rf"rank\s*: {rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*: (-?\d+)", out
+        )
+        assert code is not None and int(code.group(1)) in (3, -15), out
+    assert "differs:   signature" in out and f"1 rank [2] on 1 host {host}" in out
+    first = "first difference at position 0: '0.weight' float32[64, 32] vs float32[128, 32]"
+    assert out.count(first) >= 4, "each rank prints the report"
+    last_join = max(stamp(e) for e in events if e.get("event") == "rank joined")
+    # No hang: the whole job is gone well within 10 s of the last join (torchrun included).
+    assert ended - last_join < 10, f"{ended - last_join:.1f}s after the last join"
+
+
+def test_float64_block_is_refused_naming_the_dtypes(tmp_path: Path) -> None:
+    with coordinator_process("--join-deadline", "60", tmp=tmp_path) as (addr, _):
+        result = torchrun(addr, "e2e-f64", "--float64-rank", "1", tmp=tmp_path)
+    assert result.returncode != 0
+    assert "dtype changed: 2" in result.stdout
+    assert "'2.weight': float32[64, 64] -> float64[64, 64]" in result.stdout
+
+
+def test_absent_rank_is_named_at_the_deadline_in_torchruns_root_cause(tmp_path: Path) -> None:
+    with coordinator_process("--join-deadline", "4", tmp=tmp_path) as (addr, _):
+        result = torchrun(addr, "e2e-absent", "--absent-rank", "3", tmp=tmp_path)
+    out = result.stdout
+    assert result.returncode != 0
+    assert "missing ranks: 3" in out
+    assert "present ranks: 0-2" in out
+    root = out[out.index("Root Cause (first observed failure):") :]
+    assert (
+        "traceback : cohortgate refused to form job 'e2e-absent' round 1: the join deadline" in root
+    )
+
+
+def test_cohortgate_run_is_the_one_command_way_in(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "run",
+            "--join-deadline",
+            "60",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            str(TRAIN),
+            "--steps",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out
+    assert "[cohortgate] coordinator 127.0.0.1:" in out
+    assert out.count("all_reduce sum 3, trained 2 steps") == 2

@@ -1,0 +1,155 @@
+"""The formation decision as a pure function, with an injected clock and no network."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import ranges
+from coordinator.formation import (
+    Cause,
+    CohortState,
+    FormationOptions,
+    Member,
+    Outcome,
+    decide,
+    signature_classes,
+)
+from coordinator.manifest import Entry, Kind, Manifest
+
+SIG_A = b"a" * 32
+SIG_B = b"b" * 32
+SIG_C = b"c" * 32
+OPTS = FormationOptions(join_deadline_s=60.0, manifest_timeout_s=10.0)
+
+
+def member(rank: int, sig: bytes = SIG_A, host: str | None = None) -> Member:
+    return Member(
+        rank=rank,
+        host=host or f"node{rank // 8}",
+        pid=1000 + rank,
+        incarnation=f"inc{rank}",
+        signature=sig,
+        manifest_entries=3,
+    )
+
+
+def cohort(world: int, sigs: dict[int, bytes] | None = None, t0: float = 100.0) -> CohortState:
+    state = CohortState("job", 1, world, first_join_at=t0)
+    for r, sig in (sigs or {}).items():
+        state.add(member(r, sig), t0)
+    return state
+
+
+def manifest(width: int) -> Manifest:
+    return Manifest.of([Entry(Kind.PARAMETER, "w", "float32", (width, 4), True)])
+
+
+def test_waiting_until_every_rank_joined() -> None:
+    state = cohort(4, {0: SIG_A, 1: SIG_A, 3: SIG_A})
+    d = decide(state, 110.0, OPTS)
+    assert d.outcome is Outcome.WAITING
+    assert d.reason == "[3/4 ranks joined, deadline in 50s]"
+
+
+def test_formed_when_complete_with_one_verified_signature() -> None:
+    state = cohort(4, dict.fromkeys(range(4), SIG_A))
+    waiting = decide(state, 101.0, OPTS)
+    assert waiting.outcome is Outcome.WAITING
+    assert waiting.awaiting_manifests == (SIG_A,)
+    state.manifests[SIG_A] = manifest(4)
+    d = decide(state, 101.0, OPTS)
+    assert d.outcome is Outcome.FORMED
+    assert d.reason == "[4/4 ranks joined, 1 signature]"
+
+
+def test_formed_unverified_when_the_manifest_never_comes() -> None:
+    state = cohort(2, dict.fromkeys(range(2), SIG_A))
+    d = decide(state, 100.0 + OPTS.manifest_timeout_s, OPTS)
+    assert d.outcome is Outcome.FORMED
+    assert d.reason == "[2/2 ranks joined, 1 signature, manifest not verified]"
+
+
+def test_an_invalid_manifest_refuses_once_every_rank_is_there() -> None:
+    state = cohort(2, {0: SIG_A})
+    state.invalid_manifests[SIG_A] = "rank 0 lied"
+    assert decide(state, 100.0, OPTS).outcome is Outcome.WAITING
+    state.add(member(1), 100.0)
+    d = decide(state, 100.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    assert d.cause is Cause.MANIFEST_INVALID
+
+
+def test_deadline_refuses_naming_missing_and_present_ranks() -> None:
+    state = cohort(16, {r: SIG_A for r in range(16) if r not in (3, 7, 12, 13)})
+    assert decide(state, 159.9, OPTS).outcome is Outcome.WAITING
+    d = decide(state, 160.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    assert d.cause is Cause.DEADLINE
+    assert d.missing_ranks == (3, 7, 12, 13)
+    assert ranges.compress(d.present_ranks) == "0-2,4-6,8-11,14-15"
+    assert "missing ranks 3,7,12-13" in d.reason
+
+
+def test_mismatch_waits_for_manifests_then_refuses() -> None:
+    state = cohort(4, {0: SIG_A, 1: SIG_A, 2: SIG_B, 3: SIG_A})
+    d = decide(state, 101.0, OPTS)
+    assert d.outcome is Outcome.WAITING
+    assert set(d.awaiting_manifests) == {SIG_A, SIG_B}
+    state.manifests[SIG_A] = manifest(4)
+    state.manifests[SIG_B] = manifest(8)
+    d = decide(state, 101.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    assert d.cause is Cause.SIGNATURE_MISMATCH
+    assert d.reason == "[4/4 ranks joined, 2 different signatures]"
+
+
+def test_mismatch_refuses_without_manifests_after_the_timeout() -> None:
+    state = cohort(2, {0: SIG_A, 1: SIG_B})
+    assert decide(state, 109.9, OPTS).outcome is Outcome.WAITING
+    assert decide(state, 110.0, OPTS).outcome is Outcome.REFUSED
+
+
+def test_reference_is_the_largest_class_ties_to_the_lowest_rank() -> None:
+    state = cohort(
+        8, {0: SIG_B, 1: SIG_A, 2: SIG_A, 3: SIG_C, 4: SIG_A, 5: SIG_B, 6: SIG_C, 7: SIG_C}
+    )
+    classes = signature_classes(state)
+    assert [c.signature for c in classes] == [SIG_A, SIG_B, SIG_C]
+    assert classes[0].reference and classes[0].ranks == (1, 2, 4)
+    tie = cohort(4, {0: SIG_B, 1: SIG_A, 2: SIG_A, 3: SIG_B})
+    assert signature_classes(tie)[0].signature == SIG_B  # holds rank 0
+
+
+def test_classes_list_ranks_as_ranges_and_hosts() -> None:
+    sigs = dict.fromkeys(range(16), SIG_A)
+    sigs.update({6: SIG_B, 8: SIG_B})
+    (ref, other) = signature_classes(cohort(16, sigs))
+    assert ref.ranks_text == "0-5,7,9-15"
+    assert other.ranks_text == "6,8"
+    assert other.hosts == ("node0", "node1")
+
+
+def test_a_rank_that_leaves_is_no_longer_counted() -> None:
+    state = cohort(2, {0: SIG_A})
+    m1 = member(1)
+    state.add(m1, 100.0)
+    assert state.complete
+    state.remove(m1, 101.0)
+    assert not state.complete
+    assert decide(state, 101.0, OPTS).reason.startswith("[1/2 ranks joined")
+    assert state.departures[0].rank == 1
+    assert SIG_A in state.classes and state.classes[SIG_A] == {0}
+
+
+@pytest.mark.parametrize(
+    ("ranks", "text"),
+    [([], ""), ([0], "0"), ([0, 1, 2, 3, 5, 7, 8], "0-3,5,7-8"), ([9, 1, 0, 1], "0-1,9")],
+)
+def test_ranges_round_trip(ranks: list[int], text: str) -> None:
+    assert ranges.compress(ranks) == text
+    assert ranges.expand(text) == sorted(set(ranks))
+
+
+def test_capped_ranges_count_the_rest() -> None:
+    text = ranges.compress_capped(range(0, 100, 2), max_runs=3)
+    assert text == "0,2,4 and 47 more runs"

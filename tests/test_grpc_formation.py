@@ -1,0 +1,287 @@
+"""Formation over real gRPC: a real coordinator on loopback, real clients, one thread per rank."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from coordinator import wire
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.manifest import Entry, Kind, Manifest
+from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_cohort, run_rank
+
+FORMED = pb.Verdict.OUTCOME_FORMED
+REFUSED = pb.Verdict.OUTCOME_REFUSED
+
+
+@pytest.fixture
+def coord() -> Iterator[InProcessCoordinator]:
+    c = InProcessCoordinator(join_deadline=5.0, progress_interval=0.2)
+    yield c
+    c.stop()
+
+
+def test_identical_ranks_form_and_get_rank0s_endpoint(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    results = run_cohort(coord.addr, "job-a", dict.fromkeys(range(4), m))
+    for r in results:
+        assert r.error is None, r.error
+        assert r.verdict is not None and r.verdict.outcome == FORMED
+        assert r.verdict.init_method == "tcp://127.0.0.1:29999"
+        assert r.verdict.world_size == 4 and r.verdict.round == 1
+    assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    # In the normal case exactly one manifest crosses the wire, whatever the world size.
+    assert sum(r.manifest_requests for r in results) == 1
+
+
+def test_no_rank_learns_the_endpoint_before_formation(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(run_rank, coord.addr, join_request("gate", 0, 2, m), m)
+        time.sleep(0.6)
+        assert not waiting.done()
+        late = run_rank(coord.addr, join_request("gate", 1, 2, m), m)
+        early = waiting.result(timeout=10)
+    assert early.progress, "a waiting rank receives progress"
+    assert early.progress[0].message == "1/2 ranks joined, waiting for ranks 1"
+    assert all(p.joined < 2 for p in early.progress)
+    assert early.verdict is not None and late.verdict is not None
+    assert early.verdict.init_method == late.verdict.init_method == "tcp://127.0.0.1:29999"
+
+
+def test_mismatch_refuses_every_rank_with_the_same_report(coord: InProcessCoordinator) -> None:
+    ref, wide = manifest_of(4), manifest_of(8)
+    results = run_cohort(coord.addr, "job-b", {0: ref, 1: ref, 2: wide, 3: ref})
+    reports = {r.verdict.refusal.report for r in results if r.verdict}
+    assert len(reports) == 1 and all(r.verdict.outcome == REFUSED for r in results if r.verdict)
+    report = reports.pop()
+    assert "differs:   signature" in report and "1 rank [2] on 1 host host0" in report
+    assert "first difference at position 0: 'fc.weight' float32[4, 8] vs float32[8, 8]" in report
+    refusal = results[0].verdict.refusal if results[0].verdict else None
+    assert refusal is not None and refusal.cause == pb.Refusal.CAUSE_SIGNATURE_MISMATCH
+    ranks = [c.ranks for c in refusal.classes]
+    assert ranks == ["0-1,3", "2"]
+    diff = refusal.classes[1].diff
+    assert diff.available and diff.first_difference.position == 0
+    assert [c.name for c in diff.shape_changed] == ["fc.weight", "fc.bias"]
+    assert sum(r.manifest_requests for r in results) == 2  # one per distinct signature
+
+
+def test_dtype_difference_is_refused(coord: InProcessCoordinator) -> None:
+    ref, f64 = manifest_of(), manifest_of(dtype="float64")
+    results = run_cohort(coord.addr, "job-dt", {0: ref, 1: f64})
+    report = results[0].verdict.refusal.report if results[0].verdict else ""
+    assert "dtype changed: 2" in report
+    assert "'fc.weight': float32[4, 8] -> float64[4, 8]" in report
+
+
+def test_deadline_refuses_naming_the_missing_rank() -> None:
+    coord = InProcessCoordinator(join_deadline=1.0, progress_interval=0.2)
+    try:
+        m = manifest_of()
+        results = run_cohort(coord.addr, "job-dl", {0: m, 1: m, 2: m}, world=4)
+    finally:
+        coord.stop()
+    for r in results:
+        assert r.verdict is not None and r.verdict.outcome == REFUSED
+        assert r.verdict.refusal.cause == pb.Refusal.CAUSE_DEADLINE
+        assert r.verdict.refusal.missing_ranks == "3"
+        assert r.verdict.refusal.present_ranks == "0-2"
+        assert "missing ranks: 3" in r.verdict.refusal.report
+
+
+def _expect_error(result_error: grpc.RpcError | None, code: grpc.StatusCode, *parts: str) -> None:
+    assert result_error is not None, "expected an error"
+    assert result_error.code() == code, result_error
+    for part in parts:
+        assert part in (result_error.details() or ""), result_error.details()
+
+
+def test_duplicate_rank_is_refused_to_the_newcomer(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    first = join_request("dup", 1, 2, m, incarnation="first-incarnation")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(run_rank, coord.addr, first, m)
+        time.sleep(0.4)
+        dup = run_rank(coord.addr, join_request("dup", 1, 2, m, incarnation="second"), m)
+        _expect_error(
+            dup.error, grpc.StatusCode.ALREADY_EXISTS, "rank 1", "first-incarnation", "second"
+        )
+        run_rank(coord.addr, join_request("dup", 0, 2, m), m)
+        assert holder.result(timeout=10).verdict is not None
+
+
+def test_out_of_range_rank_and_world_size_disagreement(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    out = run_rank(coord.addr, join_request("range", 5, 4, m), m)
+    _expect_error(out.error, grpc.StatusCode.INVALID_ARGUMENT, "rank 5", "[0, 4)")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(run_rank, coord.addr, join_request("range", 0, 2, m), m)
+        time.sleep(0.3)
+        bad = run_rank(coord.addr, join_request("range", 1, 8, m), m)
+        _expect_error(
+            bad.error, grpc.StatusCode.FAILED_PRECONDITION, "world size 8", "world size 2"
+        )
+        run_rank(coord.addr, join_request("range", 1, 2, m), m)
+        assert holder.result(timeout=10).verdict is not None
+
+
+def test_protocol_version_mismatch_is_named(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    r = run_rank(coord.addr, join_request("proto", 0, 1, m, protocol_version=3), m)
+    _expect_error(
+        r.error,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"agent speaks protocol 3, coordinator {wire.PROTOCOL_VERSION}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code", "text"),
+    [
+        ({"signature": b"short"}, grpc.StatusCode.INVALID_ARGUMENT, "32 bytes"),
+        ({"job_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty"),
+        ({"world_size": 0}, grpc.StatusCode.INVALID_ARGUMENT, "world_size is 0"),
+        ({"world_size": 1 << 30}, grpc.StatusCode.RESOURCE_EXHAUSTED, "above this coordinator"),
+        ({"init_method": ""}, grpc.StatusCode.INVALID_ARGUMENT, "rank 0 offered no init_method"),
+        ({"host": "a\x00b"}, grpc.StatusCode.INVALID_ARGUMENT, "non-printable"),
+    ],
+)
+def test_malformed_joins_get_clear_errors(
+    coord: InProcessCoordinator, overrides: dict[str, object], code: grpc.StatusCode, text: str
+) -> None:
+    m = manifest_of()
+    r = run_rank(coord.addr, join_request("bad", 0, 2, m, **overrides), m)
+    _expect_error(r.error, code, text)
+
+
+def test_manifest_that_does_not_hash_to_its_signature(coord: InProcessCoordinator) -> None:
+    claimed, other = manifest_of(4), manifest_of(8)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        liar = pool.submit(
+            run_rank, coord.addr, join_request("liar", 0, 2, claimed), claimed, 30.0, other
+        )
+        time.sleep(0.3)  # the liar joins first, so it is the one asked for the manifest
+        honest = pool.submit(run_rank, coord.addr, join_request("liar", 1, 2, claimed), claimed)
+        liar_result, honest_result = liar.result(timeout=30), honest.result(timeout=30)
+    _expect_error(
+        liar_result.upload_error,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "hashes to",
+        claimed.signature().hex()[:12],
+    )
+    for result in (liar_result, honest_result):
+        verdict = result.verdict
+        assert verdict is not None and verdict.outcome == REFUSED
+        assert verdict.refusal.cause == pb.Refusal.CAUSE_MANIFEST_INVALID
+        assert "rank 0 (host host0) hashes to" in verdict.refusal.report
+
+
+def test_upload_with_invalid_manifest_fields(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    with grpc.insecure_channel(coord.addr) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        bad = pb.Manifest(format=1, entries=[pb.ManifestEntry(kind=1, name="w", dtype="Float!")])
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UploadManifest(
+                pb.UploadManifestRequest(
+                    job_id="nojob",
+                    round=1,
+                    rank=0,
+                    incarnation="x",
+                    signature=m.signature(),
+                    manifest=bad,
+                ),
+                timeout=5,
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a canonical dtype" in (err.value.details() or "")
+
+
+def test_two_jobs_interleaved_do_not_interfere(coord: InProcessCoordinator) -> None:
+    a, b = manifest_of(4), manifest_of(8)
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = []
+        for r in range(3):
+            futures.append(pool.submit(run_rank, coord.addr, join_request("job-x", r, 3, a), a))
+            futures.append(pool.submit(run_rank, coord.addr, join_request("job-y", r, 3, b), b))
+        results = [f.result(timeout=30) for f in futures]
+    by_job: dict[str, set[str]] = {}
+    for r in results:
+        assert r.verdict is not None and r.verdict.outcome == FORMED, r.error
+        by_job.setdefault(r.verdict.job_id, set()).add(r.verdict.cohort_id)
+    assert set(by_job) == {"job-x", "job-y"}
+    assert all(len(ids) == 1 for ids in by_job.values())
+
+
+def test_new_round_after_a_verdict_and_over_round_refused(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    first = run_cohort(coord.addr, "rounds", dict.fromkeys(range(2), m))
+    assert {r.verdict.round for r in first if r.verdict} == {1}
+    second = run_cohort(coord.addr, "rounds", dict.fromkeys(range(2), m))
+    assert {r.verdict.round for r in second if r.verdict} == {2}
+    late = run_rank(coord.addr, join_request("rounds", 1, 2, m, round=1), m)
+    _expect_error(late.error, grpc.StatusCode.FAILED_PRECONDITION, "round 1", "is over")
+
+
+def test_a_dropped_rank_frees_its_place_for_a_restart(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    with grpc.insecure_channel(coord.addr) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        call = stub.Join(join_request("drop", 1, 2, m, incarnation="old"), timeout=10)
+        next(iter(call))  # joined and waiting
+        call.cancel()
+    deadline = time.monotonic() + 5
+    while True:
+        job = coord.call(lambda: coord.running.coordinator.registry.jobs["drop"])
+        if 1 not in job.current.state.members:
+            break
+        assert time.monotonic() < deadline, "the dropped rank was never released"
+        time.sleep(0.05)
+    assert [d.incarnation for d in job.current.state.departures] == ["old"]
+    results = run_cohort(coord.addr, "drop", dict.fromkeys(range(2), m))
+    assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results)
+
+
+def test_verdict_is_replayed_to_the_same_incarnation(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    requests = [join_request("replay", r, 2, m) for r in range(2)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = [pool.submit(run_rank, coord.addr, q, m).result(timeout=30) for q in []]
+        futures = [pool.submit(run_rank, coord.addr, q, m) for q in requests]
+        first = [f.result(timeout=30) for f in futures]
+    again = run_rank(coord.addr, requests[1], m)
+    assert again.verdict is not None and first[1].verdict is not None
+    assert again.verdict.cohort_id == first[1].verdict.cohort_id
+    assert again.verdict.round == 1
+
+
+def test_manifest_uploader_that_leaves_is_replaced(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    seen = threading.Event()
+    with grpc.insecure_channel(coord.addr) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        call = stub.Join(join_request("succ", 0, 3, m), timeout=10)
+        for event in call:
+            if event.WhichOneof("event") == "manifest_request":
+                seen.set()
+                break
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            waiting = pool.submit(run_rank, coord.addr, join_request("succ", 1, 3, m), m)
+            time.sleep(0.3)
+            call.cancel()  # rank 0 leaves without uploading: rank 1 must be asked instead
+            results = run_cohort(coord.addr, "succ", {0: m, 2: m}, world=3)
+            inheritor = waiting.result(timeout=15)
+    assert seen.is_set()
+    assert inheritor.manifest_requests == 1
+    assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results)
+
+
+def _unused(_: Manifest, __: Entry, ___: Kind) -> None:  # keep imports meaningful for types
+    return None
