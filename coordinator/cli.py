@@ -43,7 +43,20 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--log-format", choices=["auto", "json", "console"], help="(auto: console on a tty)"
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
+    p.add_argument(
+        "--port-file",
+        type=Path,
+        help="once serving, write the gRPC port, then the metrics port, one per line",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        help="HTTP HOST:PORT for /metrics, /status, /status.json (default 127.0.0.1:9470; off)",
+    )
+    p.add_argument(
+        "--history",
+        help="SQLite file of past verdicts (default ~/.local/state/cohortgate/history.sqlite; off)",
+    )
+    p.add_argument("--history-retention-days", type=float, help="days a verdict is kept (30)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -82,7 +95,7 @@ def _wait_for_port(path: Path, proc: subprocess.Popen[bytes], timeout: float) ->
             raise RuntimeError(f"the coordinator exited with code {proc.returncode} at start")
         text = path.read_text().strip() if path.exists() else ""
         if text:
-            return int(text)
+            return int(text.split()[0])
         time.sleep(0.05)
     raise RuntimeError(f"the coordinator did not start within {timeout:g}s")
 
@@ -122,6 +135,8 @@ def cmd_run(argv: Sequence[str]) -> int:
                     "127.0.0.1:0",
                     "--port-file",
                     str(port_file),
+                    "--metrics-listen",
+                    "127.0.0.1:0",
                     "--log-format",
                     "console",
                 ]

@@ -14,6 +14,8 @@ from coordinator.formation import FormationOptions
 
 DEFAULT_PORT = 7070
 DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
+DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"
 ENV_PREFIX = "COHORTGATE_"
 
 
@@ -49,7 +51,17 @@ class ServeConfig(BaseModel):
     grace: float = Field(5.0, ge=0, description="seconds of graceful shutdown on SIGTERM")
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    port_file: Path | None = Field(None, description="write the bound port here once serving")
+    port_file: Path | None = Field(
+        None, description="once serving, write the gRPC port, then the metrics port, here"
+    )
+    metrics_listen: str = Field(
+        DEFAULT_METRICS_ADDR,
+        description="HTTP address for /metrics, /status and /status.json; 'off' disables",
+    )
+    history: str = Field(
+        DEFAULT_HISTORY, description="SQLite file of past verdicts; 'off' keeps none"
+    )
+    history_retention_days: float = Field(30.0, gt=0, description="days a verdict is kept")
 
     @field_validator("listen")
     @classmethod
@@ -57,13 +69,27 @@ class ServeConfig(BaseModel):
         split_host_port(value)
         return value
 
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_listen(cls, value: str) -> str:
+        if value != "off":
+            split_host_port(value)
+        return value
+
     def check_exposure(self) -> None:
-        host, _ = split_host_port(self.listen)
-        if not is_loopback(host) and not self.allow_remote:
-            raise ValueError(
-                f"--listen {self.listen} is not a loopback address; pass --allow-remote "
-                "(COHORTGATE_ALLOW_REMOTE=1) to serve other hosts"
-            )
+        for flag, addr in (("--listen", self.listen), ("--metrics-listen", self.metrics_listen)):
+            if addr == "off":
+                continue
+            host, _ = split_host_port(addr)
+            if not is_loopback(host) and not self.allow_remote:
+                raise ValueError(
+                    f"{flag} {addr} is not a loopback address; pass --allow-remote "
+                    "(COHORTGATE_ALLOW_REMOTE=1) to serve other hosts"
+                )
+
+    @property
+    def history_path(self) -> str | None:
+        return None if self.history == "off" else str(Path(self.history).expanduser())
 
     @property
     def formation(self) -> FormationOptions:

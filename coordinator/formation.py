@@ -60,6 +60,7 @@ class CohortState:
     # signature -> why its uploaded manifest was rejected (it did not hash to the signature)
     invalid_manifests: dict[bytes, str] = field(default_factory=dict)
     complete_at: float | None = None
+    last_join_at: float = 0.0
     departures: list[Departure] = field(default_factory=list)
     # Bumped on every membership change; lets callers cache what they derive from members.
     version: int = 0
@@ -69,6 +70,7 @@ class CohortState:
         if old is not None:
             self._unindex(old)
         self.members[member.rank] = member
+        self.last_join_at = now
         self.version += 1
         self.classes.setdefault(member.signature, set()).add(member.rank)
         if len(self.members) == self.world_size and self.complete_at is None:
@@ -165,10 +167,7 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
     if joined < n:
         deadline = cohort.first_join_at + options.join_deadline_s
         if now < deadline:
-            return Decision(
-                Outcome.WAITING,
-                f"[{joined}/{n} ranks joined, deadline in {deadline - now:.0f}s]",
-            )
+            return Decision(Outcome.WAITING, f"[{joined}/{n} ranks joined]")
         missing = ranges.missing(cohort.members, n)
         return Decision(
             Outcome.REFUSED,

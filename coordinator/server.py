@@ -15,38 +15,59 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.config import ServeConfig
+from coordinator.history import History
+from coordinator.http import MetricsServer
+from coordinator.observers import Observer
 from coordinator.service import Coordinator
-from coordinator.servicer import CohortServicer
+from coordinator.servicer import CohortServicer, StatusServicer
 
 log = structlog.get_logger("cohortgate")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
+STATUS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StatusService"].full_name
 # A 100k-entry manifest is ~10 MB on the wire; 64 MiB leaves room and still bounds memory.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class RunningServer:
-    """A started server: its bound port, and how to stop it."""
+    """A started server: its bound ports, and how to stop it."""
 
     def __init__(
-        self, server: grpc.aio.Server, coordinator: Coordinator, health: HealthServicer, port: int
+        self,
+        server: grpc.aio.Server,
+        coordinator: Coordinator,
+        health: HealthServicer,
+        port: int,
+        metrics: MetricsServer | None,
     ) -> None:
         self.server = server
         self.coordinator = coordinator
         self.health = health
         self.port = port
+        self.metrics = metrics
+        self.metrics_port = metrics.port if metrics else 0
 
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         self.coordinator.close()
         await self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.stop()
+        history = self.coordinator.observer.history
+        if history is not None:
+            history.close()
 
 
 async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> RunningServer:
     config.check_exposure()
-    coordinator = coordinator or Coordinator(
-        config.formation, progress_interval_s=config.progress_interval
-    )
+    if coordinator is None:
+        path = config.history_path
+        history = History(path, config.history_retention_days) if path else None
+        coordinator = Coordinator(
+            config.formation,
+            progress_interval_s=config.progress_interval,
+            observer=Observer(history=history),
+        )
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -57,11 +78,13 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         ]
     )
     pb_grpc.add_CohortServiceServicer_to_server(CohortServicer(coordinator), server)
+    pb_grpc.add_StatusServiceServicer_to_server(StatusServicer(coordinator), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
+            STATUS_SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),
@@ -70,14 +93,27 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}: is the port in use?")
+    metrics = None
+    if config.metrics_listen != "off":
+        metrics = MetricsServer(coordinator, asyncio.get_running_loop(), config.metrics_listen)
+        metrics.start()
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, STATUS_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    running = RunningServer(server, coordinator, health, port, metrics)
     if config.port_file is not None:
-        config.port_file.write_text(f"{port}\n")
+        config.port_file.write_text(f"{port}\n{running.metrics_port}\n")
     host = config.listen.rpartition(":")[0]
-    log.info("serving", listen=f"{host}:{port}", join_deadline_s=config.join_deadline)
-    return RunningServer(server, coordinator, health, port)
+    log.info(
+        "serving",
+        listen=f"{host}:{port}",
+        metrics=f"{config.metrics_listen.rpartition(':')[0]}:{running.metrics_port}"
+        if metrics
+        else "off",
+        history=config.history_path or "off",
+        join_deadline_s=config.join_deadline,
+    )
+    return running
 
 
 async def serve(config: ServeConfig, on_ready: Callable[[int], None] | None = None) -> None:

@@ -14,8 +14,10 @@ from coordinator import ranges
 from coordinator.errors import FailedPrecondition, Unavailable
 from coordinator.formation import FormationOptions, Member
 from coordinator.manifest import Manifest
+from coordinator.observers import Observer
 from coordinator.report import Verdict
 from coordinator.state import Cohort, JoinIntent, ManifestMismatch, Registry
+from coordinator.status import CohortSummary, summarize
 
 log = structlog.get_logger("cohortgate")
 
@@ -51,16 +53,22 @@ class Coordinator:
         *,
         progress_interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        observer: Observer | None = None,
     ) -> None:
         self.options = options or FormationOptions()
-        self.registry = Registry(self.options, clock)
+        self.observer = observer or Observer()
+        history = self.observer.history
+        self.registry = Registry(
+            self.options, clock, history.last_round if history is not None else lambda _: 0
+        )
         self.clock = clock
         self.progress_interval_s = progress_interval_s
         self._pokes: dict[StreamKey, asyncio.Event] = {}
         self._timers: dict[tuple[str, int, str], asyncio.TimerHandle] = {}
         self._progress: dict[tuple[str, int], tuple[float, int, Progress]] = {}
         self._closing = False
-        self.verdict_listeners: list[Callable[[Cohort], None]] = []
+        # Status watchers: each holds the (job, round) keys changed since it last looked.
+        self._watchers: list[tuple[set[tuple[str, int]], asyncio.Event]] = []
 
     # -- joining -----------------------------------------------------------------------
     async def join(self, intent: JoinIntent) -> AsyncIterator[JoinEvent]:
@@ -77,6 +85,8 @@ class Coordinator:
         superseded = self._pokes.get(key)
         if superseded is not None:
             superseded.set()
+        else:
+            self.observer.joined(result.opened)
         poke = self._pokes[key] = asyncio.Event()
         log.debug(
             "rank joined",
@@ -90,6 +100,7 @@ class Coordinator:
             cohort, "deadline", cohort.state.first_join_at + self.options.join_deadline_s
         )
         self.evaluate(cohort)
+        self._changed(cohort)
         told_ask = False
         last_progress = float("-inf")
         try:
@@ -129,6 +140,8 @@ class Coordinator:
 
     def _depart(self, cohort: Cohort, member: Member) -> None:
         successor = self.registry.leave(cohort, member)
+        self.observer.departed()
+        self._changed(cohort)
         log.info(
             "rank left before the verdict",
             job=cohort.job_id,
@@ -169,12 +182,15 @@ class Coordinator:
         incarnation: str,
         manifest: Manifest,
         claimed: bytes,
+        size: int = 0,
     ) -> None:
         try:
             cohort = self.registry.upload(job_id, round_, rank, incarnation, manifest, claimed)
         except ManifestMismatch as exc:
+            self.observer.uploaded(False, size)
             self.evaluate(exc.cohort)  # every rank learns why, not only the uploader
             raise
+        self.observer.uploaded(True, size)
         log.info(
             "manifest uploaded",
             job=job_id,
@@ -193,7 +209,7 @@ class Coordinator:
         if cohort.verdict is None:
             if decision.reason != cohort.last_reason:
                 cohort.last_reason = decision.reason
-                log.debug("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
+                log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
             if decision.awaiting_manifests and cohort.state.complete_at is not None:
                 self._schedule(
                     cohort, "manifests", cohort.state.complete_at + self.options.manifest_timeout_s
@@ -215,8 +231,8 @@ class Coordinator:
         self._progress.pop((cohort.job_id, cohort.round), None)
         for m in cohort.state.members.values():
             self._poke(cohort, m)
-        for listener in self.verdict_listeners:
-            listener(cohort)
+        self.observer.decided(cohort)
+        self._changed(cohort)
 
     def _poke(self, cohort: Cohort, member: Member) -> None:
         event = self._pokes.get((cohort.job_id, cohort.round, member.rank, member.incarnation))
@@ -231,6 +247,53 @@ class Coordinator:
         delay = max(at - self.clock(), 0.0) + 0.01
         self._timers[key] = asyncio.get_running_loop().call_later(delay, self.evaluate, cohort)
 
+    # -- status --------------------------------------------------------------------------
+    def cohorts(self, job_id: str = "") -> list[Cohort]:
+        """Every cohort held (waiting and recently decided), optionally of one job."""
+        jobs = self.registry.jobs
+        selected = [jobs[job_id]] if job_id in jobs else [] if job_id else list(jobs.values())
+        return [c for job in selected for _, c in sorted(job.rounds.items())]
+
+    def summaries(self, job_id: str = "") -> list[CohortSummary]:
+        now = self.clock()
+        out = [summarize(c, now, self.options) for c in self.cohorts(job_id)]
+        oldest = max((s.age_s for s in out if s.state == "waiting"), default=0.0)
+        self.observer.metrics.oldest_waiting.set(oldest)
+        return out
+
+    def find(self, job_id: str, round_: int = 0) -> Cohort | None:
+        job = self.registry.jobs.get(job_id)
+        if job is None:
+            return None
+        return job.current if round_ == 0 else job.rounds.get(round_)
+
+    async def watch(self, job_id: str = "") -> AsyncIterator[CohortSummary]:
+        """Every matching cohort now, then each one again whenever it changes."""
+        for summary in self.summaries(job_id):
+            yield summary
+        dirty: set[tuple[str, int]] = set()
+        event = asyncio.Event()
+        entry = (dirty, event)
+        self._watchers.append(entry)
+        try:
+            while not self._closing:
+                await event.wait()
+                event.clear()
+                keys = sorted(dirty)
+                dirty.clear()
+                now = self.clock()
+                for job, round_ in keys:
+                    cohort = self.find(job, round_)
+                    if cohort is not None and (not job_id or job == job_id):
+                        yield summarize(cohort, now, self.options)
+        finally:
+            self._watchers.remove(entry)
+
+    def _changed(self, cohort: Cohort) -> None:
+        for dirty, event in self._watchers:
+            dirty.add((cohort.job_id, cohort.round))
+            event.set()
+
     # -- shutdown ----------------------------------------------------------------------
     def close(self) -> None:
         """Wake every waiting join so it ends with UNAVAILABLE and its agent retries."""
@@ -240,3 +303,5 @@ class Coordinator:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
+        for _, event in self._watchers:
+            event.set()

@@ -45,6 +45,18 @@ def status_code(exc: CohortgateError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+async def _abort(
+    coordinator: Coordinator,
+    context: grpc.aio.ServicerContext,
+    method: str,
+    exc: CohortgateError,
+) -> None:
+    code = status_code(exc)
+    coordinator.observer.rpc_error(method, code.name)
+    log.info("rpc refused", method=method, code=code.name, error=str(exc))
+    await context.abort(code, str(exc))
+
+
 def _event(event: Progress | ManifestAsk | Verdict) -> pb.JoinEvent:
     if isinstance(event, Verdict):
         return pb.JoinEvent(verdict=wire.verdict_to_pb(event))
@@ -74,44 +86,84 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent]:
-        try:
-            intent = wire.join_intent(request)
-            async for event in self.coordinator.join(intent):
-                yield _event(event)
-        except CohortgateError as exc:
-            log.info(
-                "join refused",
-                job=request.job_id[:64],
-                rank=request.rank,
-                code=status_code(exc).name,
-                error=str(exc),
-            )
-            await context.abort(status_code(exc), str(exc))
+        with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
+            try:
+                intent = wire.join_intent(request)
+                async for event in self.coordinator.join(intent):
+                    yield _event(event)
+            except CohortgateError as exc:
+                await _abort(self.coordinator, context, "Join", exc)
 
     async def UploadManifest(
         self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
-        try:
-            if len(request.signature) != 32:
-                raise InvalidArgument(
-                    f"signature is {len(request.signature)} bytes; a SHA-256 signature is 32"
+        with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
+            try:
+                if len(request.signature) != 32:
+                    raise InvalidArgument(
+                        f"signature is {len(request.signature)} bytes; a SHA-256 signature is 32"
+                    )
+                manifest = wire.manifest_from_pb(request.manifest)
+                self.coordinator.upload(
+                    request.job_id,
+                    request.round,
+                    request.rank,
+                    request.incarnation,
+                    manifest,
+                    bytes(request.signature),
+                    size=request.manifest.ByteSize(),
                 )
-            manifest = wire.manifest_from_pb(request.manifest)
-            self.coordinator.upload(
-                request.job_id,
-                request.round,
-                request.rank,
-                request.incarnation,
-                manifest,
-                bytes(request.signature),
-            )
-        except CohortgateError as exc:
-            log.info(
-                "manifest refused",
-                job=request.job_id[:64],
-                rank=request.rank,
-                code=status_code(exc).name,
-                error=str(exc),
-            )
-            await context.abort(status_code(exc), str(exc))
+            except CohortgateError as exc:
+                await _abort(self.coordinator, context, "UploadManifest", exc)
         return pb.UploadManifestResponse()
+
+
+class StatusServicer(pb_grpc.StatusServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    async def ListCohorts(
+        self, request: pb.ListCohortsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListCohortsResponse:
+        summaries = self.coordinator.summaries(request.job_id)
+        return pb.ListCohortsResponse(cohorts=[wire.summary_to_pb(s) for s in summaries])
+
+    async def GetCohort(
+        self, request: pb.GetCohortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CohortDetail:
+        cohort = self.coordinator.find(request.job_id, request.round)
+        if cohort is None:
+            what = f"round {request.round} of job" if request.round else "job"
+            await _abort(
+                self.coordinator,
+                context,
+                "GetCohort",
+                NotFound(f"no {what} '{request.job_id[:64]}' is held by this coordinator"),
+            )
+            raise AssertionError("unreachable")  # abort raises
+        summary = next(
+            s for s in self.coordinator.summaries(cohort.job_id) if s.round == cohort.round
+        )
+        return wire.detail_to_pb(summary, cohort)
+
+    async def WatchCohorts(
+        self, request: pb.WatchCohortsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CohortSummary]:
+        async for summary in self.coordinator.watch(request.job_id):
+            yield wire.summary_to_pb(summary)
+
+    async def GetVerdict(
+        self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.VerdictRecord:
+        history = self.coordinator.observer.history
+        try:
+            if history is None:
+                raise FailedPrecondition("this coordinator keeps no history (--history is off)")
+            row = history.get(request.job_id, request.round)
+            if row is None:
+                what = f"round {request.round} of job" if request.round else "job"
+                raise NotFound(f"no verdict for {what} '{request.job_id[:64]}' in the history")
+        except CohortgateError as exc:
+            await _abort(self.coordinator, context, "GetVerdict", exc)
+            raise AssertionError("unreachable") from exc
+        return wire.record_to_pb(row)

@@ -67,14 +67,22 @@ class JoinResult:
     member: Member
     ask_manifest: bool
     replayed: bool = False  # a decided round's verdict handed back to the same incarnation
+    opened: bool = False  # this join opened the cohort (a new round)
 
 
 class Registry:
     """Every job the coordinator holds. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, options: FormationOptions, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        options: FormationOptions,
+        clock: Callable[[], float],
+        last_round: Callable[[str], int] = lambda job_id: 0,
+    ) -> None:
         self.options = options
         self.clock = clock
+        # After a restart, a job's rounds continue from the history's last one.
+        self.last_round = last_round
         self.jobs: dict[str, Job] = {}
 
     # -- joins -------------------------------------------------------------------------
@@ -93,9 +101,11 @@ class Registry:
             replay = self._replay(job, intent)
             if replay is not None:
                 return replay
+        opened = job is None or job.current.verdict is not None
         if job is None:
-            cohort = self._new_cohort(intent, 1, now)
-            job = Job(intent.job_id, cohort, {1: cohort})
+            first = self.last_round(intent.job_id) + 1
+            cohort = self._new_cohort(intent, first, now)
+            job = Job(intent.job_id, cohort, {first: cohort})
             self.jobs[intent.job_id] = job
         elif job.current.verdict is not None:
             self._check_round(job, intent.round, job.current.round + 1)
@@ -125,7 +135,7 @@ class Registry:
         ask = self._needs_uploader(cohort, member.signature)
         if ask:
             cohort.asked[member.signature] = (member.rank, member.incarnation)
-        return JoinResult(cohort, member, ask)
+        return JoinResult(cohort, member, ask, opened=opened)
 
     def _replay(self, job: Job, intent: JoinIntent) -> JoinResult | None:
         past_round = job.incarnations.get(intent.member.incarnation)

@@ -8,9 +8,11 @@ from coordinator.diff import LIST_CAP, Change, ManifestDiff, OrderChange
 from coordinator.diff import FirstDifference as DomainFirstDifference
 from coordinator.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from coordinator.formation import Cause, Member, Outcome
+from coordinator.history import VerdictRow
 from coordinator.manifest import MANIFEST_FORMAT_VERSION, Entry, Kind, Manifest, ManifestError
 from coordinator.report import Verdict
-from coordinator.state import JoinIntent
+from coordinator.state import Cohort, JoinIntent
+from coordinator.status import CohortSummary
 
 PROTOCOL_VERSION = 1
 
@@ -151,6 +153,69 @@ def manifest_from_pb(msg: pb.Manifest) -> Manifest:
         return Manifest.of(entry_from_pb(e, i) for i, e in enumerate(msg.entries))
     except ManifestError as exc:
         raise InvalidArgument(f"invalid manifest: {exc}") from exc
+
+
+# -- status ---------------------------------------------------------------------------
+_STATE_TO_PB = {
+    "waiting": pb.COHORT_STATE_WAITING,
+    "formed": pb.COHORT_STATE_FORMED,
+    "refused": pb.COHORT_STATE_REFUSED,
+    "expired": pb.COHORT_STATE_EXPIRED,
+}
+STATE_NAMES = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+def summary_to_pb(s: CohortSummary) -> pb.CohortSummary:
+    return pb.CohortSummary(
+        job_id=s.job_id,
+        round=s.round,
+        state=_STATE_TO_PB[s.state],
+        joined=s.joined,
+        expected=s.expected,
+        age_seconds=s.age_s,
+        deadline_in_seconds=s.deadline_in_s,
+        missing_ranks=s.missing_ranks,
+        reason=s.reason,
+        first_join_unix=s.first_join_at,
+        decided_at_unix=s.decided_at,
+        cohort_id=s.cohort_id,
+        signatures=s.signatures,
+    )
+
+
+def detail_to_pb(summary: CohortSummary, cohort: Cohort) -> pb.CohortDetail:
+    msg = pb.CohortDetail(summary=summary_to_pb(summary))
+    for rank in sorted(cohort.state.members):
+        m = cohort.state.members[rank]
+        msg.ranks.add(
+            rank=m.rank,
+            host=m.host,
+            pid=m.pid,
+            incarnation=m.incarnation,
+            joined_unix=m.joined_at,
+            last_seen_unix=m.last_seen,
+            signature=m.signature.hex()[:12],
+            local_rank=m.local_rank,
+        )
+    for d in cohort.state.departures[-100:]:
+        msg.departures.add(rank=d.rank, host=d.host, incarnation=d.incarnation, at_unix=d.at)
+    if cohort.verdict is not None:
+        msg.verdict.CopyFrom(verdict_to_pb(cohort.verdict))
+    return msg
+
+
+def record_to_pb(row: VerdictRow) -> pb.VerdictRecord:
+    return pb.VerdictRecord(
+        job_id=row.job_id,
+        round=row.round,
+        cohort_id=row.cohort_id,
+        outcome=row.outcome,
+        cause=row.cause,
+        reason=row.reason,
+        report=row.report,
+        decided_at_unix=row.decided_at,
+        world_size=row.world_size,
+    )
 
 
 # -- verdicts -------------------------------------------------------------------------

@@ -31,6 +31,10 @@ def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
             "127.0.0.1:0",
             "--port-file",
             str(port_file),
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--history",
+            str(tmp / "history.sqlite"),
             "--join-deadline",
             "60",
             "--log-format",
@@ -42,7 +46,7 @@ def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
         if proc.poll() is not None or time.monotonic() > give_up:
             raise SystemExit("the coordinator did not start")
         time.sleep(0.05)
-    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+    return proc, f"127.0.0.1:{port_file.read_text().split()[0]}"
 
 
 def torchrun(addr: str, job: str, *args: str) -> int:

@@ -34,6 +34,8 @@ class InProcessCoordinator:
     """A real grpc.aio server on 127.0.0.1:0, its event loop on a background thread."""
 
     def __init__(self, **config: Any) -> None:
+        config.setdefault("metrics_listen", "127.0.0.1:0")
+        config.setdefault("history", ":memory:")
         self.config = ServeConfig(listen="127.0.0.1:0", **config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -42,6 +44,7 @@ class InProcessCoordinator:
             start(self.config), self.loop
         ).result(timeout=30)
         self.addr = f"127.0.0.1:{self.running.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.running.metrics_port}"
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run fn(*args) on the server's loop (for reading its state safely)."""
@@ -173,6 +176,10 @@ def coordinator_process(*flags: str, tmp: Path) -> Iterator[tuple[str, Path]]:
                 "127.0.0.1:0",
                 "--port-file",
                 str(port_file),
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--history",
+                str(tmp / "history.sqlite"),
                 "--log-format",
                 "json",
                 *flags,
@@ -187,7 +194,7 @@ def coordinator_process(*flags: str, tmp: Path) -> Iterator[tuple[str, Path]]:
             if proc.poll() is not None or time.monotonic() > give_up:
                 raise RuntimeError(f"coordinator did not start: {log.read_text()}")
             time.sleep(0.05)
-        yield f"127.0.0.1:{port_file.read_text().strip()}", log
+        yield f"127.0.0.1:{port_file.read_text().split()[0]}", log
     finally:
         kill_group(proc)
 

@@ -19,6 +19,29 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _CohortState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CohortStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CohortState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COHORT_STATE_UNSPECIFIED: _CohortState.ValueType  # 0
+    COHORT_STATE_WAITING: _CohortState.ValueType  # 1
+    COHORT_STATE_FORMED: _CohortState.ValueType  # 2
+    COHORT_STATE_REFUSED: _CohortState.ValueType  # 3
+    COHORT_STATE_EXPIRED: _CohortState.ValueType  # 4
+    """the deadline passed with no rank left to tell"""
+
+class CohortState(_CohortState, metaclass=_CohortStateEnumTypeWrapper): ...
+
+COHORT_STATE_UNSPECIFIED: CohortState.ValueType  # 0
+COHORT_STATE_WAITING: CohortState.ValueType  # 1
+COHORT_STATE_FORMED: CohortState.ValueType  # 2
+COHORT_STATE_REFUSED: CohortState.ValueType  # 3
+COHORT_STATE_EXPIRED: CohortState.ValueType  # 4
+"""the deadline passed with no rank left to tell"""
+Global___CohortState: _TypeAlias = CohortState  # noqa: Y015
+
 @_typing.final
 class RuntimeFacts(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -696,3 +719,311 @@ class ManifestDiff(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ManifestDiff: _TypeAlias = ManifestDiff  # noqa: Y015
+
+@_typing.final
+class ListCohortsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """empty: every job"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCohortsRequest: _TypeAlias = ListCohortsRequest  # noqa: Y015
+
+@_typing.final
+class CohortSummary(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
+    AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    DEADLINE_IN_SECONDS_FIELD_NUMBER: _builtins.int
+    MISSING_RANKS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    FIRST_JOIN_UNIX_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    COHORT_ID_FIELD_NUMBER: _builtins.int
+    SIGNATURES_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    state: Global___CohortState.ValueType
+    joined: _builtins.int
+    expected: _builtins.int
+    age_seconds: _builtins.float
+    deadline_in_seconds: _builtins.float
+    missing_ranks: _builtins.str
+    """compressed, capped"""
+    reason: _builtins.str
+    first_join_unix: _builtins.float
+    decided_at_unix: _builtins.float
+    cohort_id: _builtins.str
+    signatures: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        state: Global___CohortState.ValueType = ...,
+        joined: _builtins.int = ...,
+        expected: _builtins.int = ...,
+        age_seconds: _builtins.float = ...,
+        deadline_in_seconds: _builtins.float = ...,
+        missing_ranks: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        first_join_unix: _builtins.float = ...,
+        decided_at_unix: _builtins.float = ...,
+        cohort_id: _builtins.str = ...,
+        signatures: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "cohort_id", b"cohort_id", "deadline_in_seconds", b"deadline_in_seconds", "decided_at_unix", b"decided_at_unix", "expected", b"expected", "first_join_unix", b"first_join_unix", "job_id", b"job_id", "joined", b"joined", "missing_ranks", b"missing_ranks", "reason", b"reason", "round", b"round", "signatures", b"signatures", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CohortSummary: _TypeAlias = CohortSummary  # noqa: Y015
+
+@_typing.final
+class ListCohortsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COHORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cohorts(self) -> _containers.RepeatedCompositeFieldContainer[Global___CohortSummary]: ...
+    def __init__(
+        self,
+        *,
+        cohorts: _abc.Iterable[Global___CohortSummary] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohorts", b"cohorts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCohortsResponse: _TypeAlias = ListCohortsResponse  # noqa: Y015
+
+@_typing.final
+class GetCohortRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    """0: the latest"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCohortRequest: _TypeAlias = GetCohortRequest  # noqa: Y015
+
+@_typing.final
+class RankStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    JOINED_UNIX_FIELD_NUMBER: _builtins.int
+    LAST_SEEN_UNIX_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    host: _builtins.str
+    pid: _builtins.int
+    incarnation: _builtins.str
+    joined_unix: _builtins.float
+    last_seen_unix: _builtins.float
+    signature: _builtins.str
+    """hex prefix of its signature class"""
+    local_rank: _builtins.int
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        host: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+        joined_unix: _builtins.float = ...,
+        last_seen_unix: _builtins.float = ...,
+        signature: _builtins.str = ...,
+        local_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "joined_unix", b"joined_unix", "last_seen_unix", b"last_seen_unix", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankStatus: _TypeAlias = RankStatus  # noqa: Y015
+
+@_typing.final
+class Departure(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    AT_UNIX_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    host: _builtins.str
+    incarnation: _builtins.str
+    at_unix: _builtins.float
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        host: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        at_unix: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "host", b"host", "incarnation", b"incarnation", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Departure: _TypeAlias = Departure  # noqa: Y015
+
+@_typing.final
+class CohortDetail(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    DEPARTURES_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def summary(self) -> Global___CohortSummary: ...
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankStatus]: ...
+    @_builtins.property
+    def departures(self) -> _containers.RepeatedCompositeFieldContainer[Global___Departure]: ...
+    @_builtins.property
+    def verdict(self) -> Global___Verdict:
+        """set once decided"""
+
+    def __init__(
+        self,
+        *,
+        summary: Global___CohortSummary | None = ...,
+        ranks: _abc.Iterable[Global___RankStatus] | None = ...,
+        departures: _abc.Iterable[Global___Departure] | None = ...,
+        verdict: Global___Verdict | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary", "verdict", b"verdict"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["departures", b"departures", "ranks", b"ranks", "summary", b"summary", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CohortDetail: _TypeAlias = CohortDetail  # noqa: Y015
+
+@_typing.final
+class WatchCohortsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """empty: every job"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchCohortsRequest: _TypeAlias = WatchCohortsRequest  # noqa: Y015
+
+@_typing.final
+class GetVerdictRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    """0: the latest"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetVerdictRequest: _TypeAlias = GetVerdictRequest  # noqa: Y015
+
+@_typing.final
+class VerdictRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    COHORT_ID_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    cohort_id: _builtins.str
+    outcome: _builtins.str
+    cause: _builtins.str
+    reason: _builtins.str
+    report: _builtins.str
+    decided_at_unix: _builtins.float
+    world_size: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        cohort_id: _builtins.str = ...,
+        outcome: _builtins.str = ...,
+        cause: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        report: _builtins.str = ...,
+        decided_at_unix: _builtins.float = ...,
+        world_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "cohort_id", b"cohort_id", "decided_at_unix", b"decided_at_unix", "job_id", b"job_id", "outcome", b"outcome", "reason", b"reason", "report", b"report", "round", b"round", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerdictRecord: _TypeAlias = VerdictRecord  # noqa: Y015

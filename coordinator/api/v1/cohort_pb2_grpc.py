@@ -146,3 +146,209 @@ class CohortService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class StatusServiceStub:
+    """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListCohorts = channel.unary_unary(
+                '/cohortgate.v1.StatusService/ListCohorts',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.FromString,
+                _registered_method=True)
+        self.GetCohort = channel.unary_unary(
+                '/cohortgate.v1.StatusService/GetCohort',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.FromString,
+                _registered_method=True)
+        self.WatchCohorts = channel.unary_stream(
+                '/cohortgate.v1.StatusService/WatchCohorts',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.FromString,
+                _registered_method=True)
+        self.GetVerdict = channel.unary_unary(
+                '/cohortgate.v1.StatusService/GetVerdict',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
+                _registered_method=True)
+
+
+class StatusServiceServicer:
+    """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history.
+    """
+
+    def ListCohorts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCohort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchCohorts(self, request, context):
+        """A snapshot of every matching cohort, then one CohortSummary per change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetVerdict(self, request, context):
+        """A past verdict with its full report, from the history database.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StatusServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListCohorts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCohorts,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.SerializeToString,
+            ),
+            'GetCohort': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCohort,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.SerializeToString,
+            ),
+            'WatchCohorts': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCohorts,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.SerializeToString,
+            ),
+            'GetVerdict': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVerdict,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'cohortgate.v1.StatusService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('cohortgate.v1.StatusService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StatusService:
+    """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history.
+    """
+
+    @staticmethod
+    def ListCohorts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.StatusService/ListCohorts',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCohort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.StatusService/GetCohort',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCohorts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cohortgate.v1.StatusService/WatchCohorts',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVerdict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.StatusService/GetVerdict',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

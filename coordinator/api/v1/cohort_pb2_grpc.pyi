@@ -77,3 +77,64 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_CohortServiceServicer_to_server(servicer: CohortServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class StatusServiceStub:
+    """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history."""
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> StatusServiceAsyncStub: ...
+    ListCohorts: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.ListCohortsRequest, _cohort_pb2.ListCohortsResponse]
+    GetCohort: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.GetCohortRequest, _cohort_pb2.CohortDetail]
+    WatchCohorts: _grpc.UnaryStreamMultiCallable[_cohort_pb2.WatchCohortsRequest, _cohort_pb2.CohortSummary]
+    """A snapshot of every matching cohort, then one CohortSummary per change."""
+    GetVerdict: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.GetVerdictRequest, _cohort_pb2.VerdictRecord]
+    """A past verdict with its full report, from the history database."""
+
+@_typing.type_check_only
+class StatusServiceAsyncStub(StatusServiceStub):
+    """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history."""
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    ListCohorts: _aio.UnaryUnaryMultiCallable[_cohort_pb2.ListCohortsRequest, _cohort_pb2.ListCohortsResponse]  # type: ignore[assignment]
+    GetCohort: _aio.UnaryUnaryMultiCallable[_cohort_pb2.GetCohortRequest, _cohort_pb2.CohortDetail]  # type: ignore[assignment]
+    WatchCohorts: _aio.UnaryStreamMultiCallable[_cohort_pb2.WatchCohortsRequest, _cohort_pb2.CohortSummary]  # type: ignore[assignment]
+    """A snapshot of every matching cohort, then one CohortSummary per change."""
+    GetVerdict: _aio.UnaryUnaryMultiCallable[_cohort_pb2.GetVerdictRequest, _cohort_pb2.VerdictRecord]  # type: ignore[assignment]
+    """A past verdict with its full report, from the history database."""
+
+class StatusServiceServicer(metaclass=_abc_1.ABCMeta):
+    """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history."""
+
+    @_abc_1.abstractmethod
+    def ListCohorts(
+        self,
+        request: _cohort_pb2.ListCohortsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.ListCohortsResponse, _abc.Awaitable[_cohort_pb2.ListCohortsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetCohort(
+        self,
+        request: _cohort_pb2.GetCohortRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.CohortDetail, _abc.Awaitable[_cohort_pb2.CohortDetail]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchCohorts(
+        self,
+        request: _cohort_pb2.WatchCohortsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cohort_pb2.CohortSummary], _abc.AsyncIterator[_cohort_pb2.CohortSummary]]:
+        """A snapshot of every matching cohort, then one CohortSummary per change."""
+
+    @_abc_1.abstractmethod
+    def GetVerdict(
+        self,
+        request: _cohort_pb2.GetVerdictRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.VerdictRecord, _abc.Awaitable[_cohort_pb2.VerdictRecord]]:
+        """A past verdict with its full report, from the history database."""
+
+def add_StatusServiceServicer_to_server(servicer: StatusServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

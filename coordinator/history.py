@@ -1,0 +1,133 @@
+"""Verdict history in SQLite (WAL): every verdict and its full report, kept across restarts."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS verdicts (
+    cohort_id    TEXT PRIMARY KEY,
+    job_id       TEXT NOT NULL,
+    round        INTEGER NOT NULL,
+    outcome      TEXT NOT NULL,
+    cause        TEXT NOT NULL,
+    reason       TEXT NOT NULL,
+    report       TEXT NOT NULL,
+    world_size   INTEGER NOT NULL,
+    decided_at   REAL NOT NULL,
+    members      TEXT NOT NULL  -- JSON {rank: incarnation}, to replay a verdict after restart
+);
+CREATE INDEX IF NOT EXISTS verdicts_job_round ON verdicts (job_id, round);
+CREATE INDEX IF NOT EXISTS verdicts_decided_at ON verdicts (decided_at);
+"""
+
+
+@dataclass(frozen=True)
+class VerdictRow:
+    cohort_id: str
+    job_id: str
+    round: int
+    outcome: str
+    cause: str
+    reason: str
+    report: str
+    world_size: int
+    decided_at: float
+    members: dict[int, str]
+
+
+class History:
+    """One SQLite file. Writes are small and rare (one per verdict), so they run inline."""
+
+    def __init__(self, path: Path | str, retention_days: float = 30.0) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.retention_s = retention_days * 86400
+        # check_same_thread=False: the status page reads from its HTTP thread; sqlite3
+        # serialises access to one connection itself.
+        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+        self.prune()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def record(self, row: VerdictRow) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.cohort_id,
+                row.job_id,
+                row.round,
+                row.outcome,
+                row.cause,
+                row.reason,
+                row.report,
+                row.world_size,
+                row.decided_at,
+                json.dumps({str(k): v for k, v in row.members.items()}),
+            ),
+        )
+
+    def prune(self, now: float | None = None) -> int:
+        """Forget verdicts older than the retention; returns how many went."""
+        cutoff = (time.time() if now is None else now) - self.retention_s
+        return self.db.execute("DELETE FROM verdicts WHERE decided_at < ?", (cutoff,)).rowcount
+
+    def get(self, job_id: str, round_: int = 0) -> VerdictRow | None:
+        """The verdict of (job, round); round 0 means the job's latest."""
+        if round_:
+            cur = self.db.execute(
+                "SELECT * FROM verdicts WHERE job_id = ? AND round = ? "
+                "ORDER BY decided_at DESC LIMIT 1",
+                (job_id, round_),
+            )
+        else:
+            cur = self.db.execute(
+                "SELECT * FROM verdicts WHERE job_id = ? ORDER BY round DESC, decided_at DESC "
+                "LIMIT 1",
+                (job_id,),
+            )
+        found = cur.fetchone()
+        return None if found is None else _row(found)
+
+    def recent(self, limit: int = 20, job_id: str = "") -> list[VerdictRow]:
+        if job_id:
+            cur = self.db.execute(
+                "SELECT * FROM verdicts WHERE job_id = ? ORDER BY decided_at DESC LIMIT ?",
+                (job_id, limit),
+            )
+        else:
+            cur = self.db.execute(
+                "SELECT * FROM verdicts ORDER BY decided_at DESC LIMIT ?", (limit,)
+            )
+        return [_row(r) for r in cur.fetchall()]
+
+    def last_round(self, job_id: str) -> int:
+        found = self.db.execute(
+            "SELECT MAX(round) FROM verdicts WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        return int(found[0] or 0)
+
+
+def _row(r: tuple[object, ...]) -> VerdictRow:
+    members = json.loads(str(r[9]))
+    return VerdictRow(
+        cohort_id=str(r[0]),
+        job_id=str(r[1]),
+        round=int(str(r[2])),
+        outcome=str(r[3]),
+        cause=str(r[4]),
+        reason=str(r[5]),
+        report=str(r[6]),
+        world_size=int(str(r[7])),
+        decided_at=float(str(r[8])),
+        members={int(k): str(v) for k, v in members.items()},
+    )

@@ -1,0 +1,176 @@
+"""The metrics port: /metrics for Prometheus, /status (a self-refreshing page), /status.json."""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from coordinator.service import Coordinator
+
+# How often the page reloads itself; dashboards need no faster.
+REFRESH_S = 2
+
+
+def snapshot(coordinator: Coordinator, recent: int = 20) -> dict[str, Any]:
+    """Everything the page shows, as JSON-ready data (runs on the coordinator's loop)."""
+    summaries = coordinator.summaries()
+    history = coordinator.observer.history
+    if history is not None:
+        verdicts = [
+            {
+                "job_id": r.job_id,
+                "round": r.round,
+                "outcome": r.outcome,
+                "cause": r.cause,
+                "reason": r.reason,
+                "report": r.report,
+                "decided_at": r.decided_at,
+                "cohort_id": r.cohort_id,
+            }
+            for r in history.recent(recent)
+        ]
+    else:
+        verdicts = [
+            {
+                "job_id": s.job_id,
+                "round": s.round,
+                "outcome": s.state,
+                "cause": "",
+                "reason": s.reason,
+                "report": "",
+                "decided_at": s.decided_at,
+                "cohort_id": s.cohort_id,
+            }
+            for s in sorted(summaries, key=lambda s: -s.decided_at)
+            if s.state != "waiting"
+        ][:recent]
+    return {
+        "generated_at": time.time(),
+        "waiting": [s.to_dict() for s in summaries if s.state == "waiting"],
+        "recent_verdicts": verdicts,
+    }
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + "Z" if ts else ""
+
+
+def render_page(data: dict[str, Any]) -> str:
+    esc = html.escape
+    rows = []
+    for c in data["waiting"]:
+        pct = 100.0 * c["joined"] / max(c["expected"], 1)
+        rows.append(
+            f"<tr><td>{esc(c['job_id'])}</td><td>{c['round']}</td>"
+            f"<td><div class=bar><div style='width:{pct:.1f}%'></div></div>"
+            f"{c['joined']}/{c['expected']}</td>"
+            f"<td class=missing>{esc(c['missing_ranks']) or '&mdash;'}</td>"
+            f"<td>{c['age_s']:.0f}s</td><td>{c['deadline_in_s']:.0f}s</td>"
+            f"<td>{esc(c['reason'])}</td></tr>"
+        )
+    waiting = "".join(rows) or "<tr><td colspan=7>no cohort is waiting</td></tr>"
+    verdict_rows = []
+    for v in data["recent_verdicts"]:
+        cls = "formed" if v["outcome"] == "formed" else "refused"
+        report = (
+            f"<details><summary>report</summary><pre>{esc(v['report'])}</pre></details>"
+            if v["report"]
+            else ""
+        )
+        verdict_rows.append(
+            f"<tr class={cls}><td>{esc(v['job_id'])}</td><td>{v['round']}</td>"
+            f"<td>{esc(v['outcome'])}</td><td>{esc(v['reason'])}{report}</td>"
+            f"<td>{_when(v['decided_at'])}</td></tr>"
+        )
+    verdicts = "".join(verdict_rows) or "<tr><td colspan=5>no verdict yet</td></tr>"
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
+<title>cohortgate status</title>
+<style>
+body{{font:14px system-ui,sans-serif;margin:1.5em;color:#222}}
+table{{border-collapse:collapse;width:100%;margin-bottom:2em}}
+th,td{{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}}
+th{{background:#f4f4f4}} .missing{{color:#b00;font-weight:600}}
+.bar{{display:inline-block;width:120px;height:10px;background:#eee;margin-right:6px}}
+.bar div{{height:10px;background:#3a7}} tr.refused td{{background:#fff0f0}}
+tr.formed td{{background:#f0fff4}} pre{{white-space:pre-wrap;font-size:12px}}
+</style></head><body>
+<h1>cohortgate</h1>
+<p>updated {_when(data["generated_at"])}, refreshes every {REFRESH_S}s &middot;
+<a href="status.json">JSON</a> &middot; <a href="metrics">metrics</a></p>
+<h2>Waiting cohorts</h2>
+<table><tr><th>job</th><th>round</th><th>joined</th><th>missing ranks</th><th>age</th>
+<th>deadline in</th><th>reason</th></tr>{waiting}</table>
+<h2>Recent verdicts</h2>
+<table><tr><th>job</th><th>round</th><th>outcome</th><th>reason</th><th>decided</th></tr>
+{verdicts}</table>
+</body></html>"""
+
+
+class MetricsServer:
+    """A small threaded HTTP server; it reads coordinator state by hopping onto its loop."""
+
+    def __init__(self, coordinator: Coordinator, loop: asyncio.AbstractEventLoop, addr: str):
+        self.coordinator = coordinator
+        self.loop = loop
+        host, _, port = addr.rpartition(":")
+        handler = _handler(self._snapshot, coordinator)
+        self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
+        self.httpd.daemon_threads = True
+        self.port = int(self.httpd.server_address[1])
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _snapshot(self) -> dict[str, Any]:
+        async def take() -> dict[str, Any]:
+            return snapshot(self.coordinator)
+
+        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=10)
+
+
+def _handler(
+    take: Callable[[], dict[str, Any]], coordinator: Coordinator
+) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                take()  # refreshes the gauges computed from the cohorts
+                self._send(
+                    200, CONTENT_TYPE_LATEST, generate_latest(coordinator.observer.metrics.registry)
+                )
+            elif path in ("/", "/status"):
+                self._send(200, "text/html; charset=utf-8", render_page(take()).encode())
+            elif path == "/status.json":
+                self._send(200, "application/json", json.dumps(take(), indent=1).encode())
+            elif path == "/healthz":
+                self._send(200, "text/plain", b"ok\n")
+            else:
+                self._send(404, "text/plain", b"not found: try /status, /status.json, /metrics\n")
+
+        def _send(self, code: int, kind: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # scrapes every 15 s would drown the decision log
+
+    return Handler

@@ -1,0 +1,64 @@
+"""What the coordinator tells the outside world as cohorts change: metrics and history."""
+
+from __future__ import annotations
+
+from coordinator.history import History, VerdictRow
+from coordinator.metrics import Metrics
+from coordinator.state import Cohort
+
+
+class Observer:
+    """Metrics and history bookkeeping, called by the service at each event."""
+
+    def __init__(self, metrics: Metrics | None = None, history: History | None = None) -> None:
+        self.metrics = metrics or Metrics()
+        self.history = history
+
+    def joined(self, opened: bool) -> None:
+        self.metrics.joins.inc()
+        self.metrics.ranks_waiting.inc()
+        if opened:
+            self.metrics.cohorts_waiting.inc()
+
+    def departed(self) -> None:
+        self.metrics.departures.inc()
+        self.metrics.ranks_waiting.dec()
+
+    def uploaded(self, accepted: bool, size: int) -> None:
+        self.metrics.manifest_uploads.labels("accepted" if accepted else "rejected").inc()
+        self.metrics.manifest_bytes.inc(size)
+
+    def decided(self, cohort: Cohort) -> None:
+        verdict = cohort.verdict
+        assert verdict is not None
+        m = self.metrics
+        outcome = verdict.outcome.value
+        cause = verdict.cause.value if verdict.cause else "none"
+        m.verdicts.labels(outcome, cause).inc()
+        m.formation_from_first_join.labels(outcome).observe(
+            verdict.decided_at - cohort.state.first_join_at
+        )
+        if cohort.state.last_join_at:
+            m.formation_from_last_join.labels(outcome).observe(
+                max(verdict.decided_at - cohort.state.last_join_at, 0.0)
+            )
+        m.cohorts_waiting.dec()
+        m.ranks_waiting.dec(len(cohort.state.members))
+        if self.history is not None:
+            self.history.record(
+                VerdictRow(
+                    cohort_id=verdict.cohort_id,
+                    job_id=verdict.job_id,
+                    round=verdict.round,
+                    outcome=outcome,
+                    cause=cause,
+                    reason=verdict.reason,
+                    report=verdict.report,
+                    world_size=verdict.world_size,
+                    decided_at=verdict.decided_at,
+                    members={m.rank: m.incarnation for m in cohort.state.members.values()},
+                )
+            )
+
+    def rpc_error(self, method: str, code: str) -> None:
+        self.metrics.rpc_errors.labels(method, code).inc()

@@ -1,0 +1,69 @@
+"""Read-only views of cohorts for the status API, the status page and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from coordinator import ranges
+from coordinator.formation import Cause, FormationOptions
+from coordinator.state import Cohort
+
+
+@dataclass(frozen=True)
+class CohortSummary:
+    job_id: str
+    round: int
+    state: str  # waiting | formed | refused | expired
+    joined: int
+    expected: int
+    age_s: float
+    deadline_in_s: float
+    missing_ranks: str
+    reason: str
+    first_join_at: float
+    decided_at: float
+    cohort_id: str
+    signatures: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def state_of(cohort: Cohort) -> str:
+    verdict = cohort.verdict
+    if verdict is None:
+        return "waiting"
+    if verdict.cause is Cause.DEADLINE and not verdict.present_ranks:
+        return "expired"
+    return verdict.outcome.value
+
+
+def summarize(cohort: Cohort, now: float, options: FormationOptions) -> CohortSummary:
+    state = cohort.state
+    verdict = cohort.verdict
+    if verdict is None:
+        joined = len(state.members)
+        missing = ranges.compress_capped(ranges.missing(state.members, state.world_size))
+        reason = cohort.last_reason
+    else:
+        joined = len(state.members)
+        missing = ranges.compress_capped(verdict.missing_ranks)
+        reason = verdict.reason
+    return CohortSummary(
+        job_id=cohort.job_id,
+        round=cohort.round,
+        state=state_of(cohort),
+        joined=joined,
+        expected=state.world_size,
+        age_s=now - state.first_join_at,
+        deadline_in_s=(
+            state.first_join_at + options.join_deadline_s - now if verdict is None else 0.0
+        ),
+        missing_ranks=missing,
+        reason=reason,
+        first_join_at=state.first_join_at,
+        decided_at=verdict.decided_at if verdict else 0.0,
+        cohort_id=verdict.cohort_id if verdict else "",
+        signatures=len(state.classes),
+    )
