@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint typecheck unit proto proto-check bench clean
+.PHONY: venv system-deps demo test lint typecheck unit proto proto-check bench clean
 
 venv: $(STAMP)
 
@@ -19,8 +19,19 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: venv
 	$(PY) examples/demo.py
 
+## system-deps: Debian's chromium and prometheus (promtool), which the operations tests drive
+system-deps:
+	@if command -v chromium >/dev/null && command -v prometheus >/dev/null \
+	    && command -v promtool >/dev/null; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then \
+	  echo "install chromium and prometheus (with promtool): the operations tests need them" >&2; \
+	  exit 1; fi; \
+	SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
+	  --no-install-recommends chromium prometheus
+
 ## test: everything CI runs: generated-code check, ruff, mypy, pytest
-test: venv proto-check lint typecheck
+test: venv system-deps proto-check lint typecheck
 	$(PY) -m pytest -q
 
 lint: venv

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from coordinator import ops_cli
 from coordinator.config import DEFAULT_ADDR, ServeConfig, from_env_and_flags
 
 
@@ -180,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
+    ops_cli.add_parsers(sub)
     sub.add_parser(
         "run",
         help="run torchrun behind a coordinator (see `cohortgate run --help`)",
@@ -195,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -74,5 +74,15 @@ class Metrics:
         )
 
     def names(self) -> set[str]:
-        """Every sample name this registry exports (for checking dashboards and alerts)."""
-        return {s.name for m in self.registry.collect() for s in m.samples}
+        """Every series name this registry can export, whether or not it has samples yet
+        (for checking that dashboards and alert rules use only real metrics)."""
+        suffixes = {
+            "counter": ("_total",),
+            "gauge": ("",),
+            "histogram": ("_bucket", "_count", "_sum"),
+        }
+        return {
+            family.name + suffix
+            for family in self.registry.collect()
+            for suffix in suffixes.get(family.type, ("",))
+        }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Callable
 
@@ -112,6 +113,7 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         else "off",
         history=config.history_path or "off",
         join_deadline_s=config.join_deadline,
+        pid=os.getpid(),
     )
     return running
 

@@ -1,0 +1,170 @@
+"""`cohortgate status | watch | explain`: what on-call types at 3 a.m."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.config import DEFAULT_ADDR
+from coordinator.wire import STATE_NAMES
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    addr_help = f"coordinator HOST:PORT (default $COHORTGATE_ADDR, else {DEFAULT_ADDR})"
+    p = sub.add_parser("status", help="list cohorts (waiting and recently decided)")
+    p.add_argument("job", nargs="?", default="", help="only this job")
+    p.add_argument("--addr", help=addr_help)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("watch", help="live progress of a job's cohort, then its verdict")
+    p.add_argument("job", nargs="?", default="", help="only this job (default: every job)")
+    p.add_argument("--addr", help=addr_help)
+    p.add_argument("--json", action="store_true", help="one JSON object per change")
+    p.set_defaults(func=cmd_watch)
+    p = sub.add_parser("explain", help="the full report of a past verdict, from history")
+    p.add_argument("job")
+    p.add_argument("round", nargs="?", type=int, default=0, help="default: the latest")
+    p.add_argument("--addr", help=addr_help)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
+
+
+def _addr(args: argparse.Namespace) -> str:
+    return str(args.addr or os.environ.get("COHORTGATE_ADDR") or DEFAULT_ADDR)
+
+
+def _fail(addr: str, exc: grpc.RpcError) -> int:
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        print(
+            f"cohortgate: no coordinator answers at {addr} ({exc.details()}); "
+            "pass --addr HOST:PORT or set COHORTGATE_ADDR",
+            file=sys.stderr,
+        )
+    else:
+        print(f"cohortgate: {code.name}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+def _dict(msg: Any) -> dict[str, Any]:
+    return MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def _row(s: pb.CohortSummary) -> str:
+    state = STATE_NAMES.get(s.state, "?")
+    missing = f" missing {s.missing_ranks}" if s.missing_ranks else ""
+    return (
+        f"{s.job_id:<24} {s.round:>5} {state:<8} {s.joined:>6}/{s.expected:<6} "
+        f"{s.age_seconds:>7.0f}s {s.reason}{missing}"
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    addr = _addr(args)
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            reply = pb_grpc.StatusServiceStub(channel).ListCohorts(
+                pb.ListCohortsRequest(job_id=args.job), timeout=10
+            )
+        except grpc.RpcError as exc:
+            return _fail(addr, exc)
+    if args.json:
+        print(json.dumps([_dict(c) for c in reply.cohorts], indent=1))
+        return 0
+    if not reply.cohorts:
+        print("no cohorts" + (f" for job {args.job}" if args.job else ""))
+        return 0
+    print(f"{'JOB':<24} {'ROUND':>5} {'STATE':<8} {'JOINED':>13} {'AGE':>8} REASON")
+    for c in reply.cohorts:
+        print(_row(c))
+    return 0
+
+
+def _bar(joined: int, expected: int, width: int = 30) -> str:
+    filled = int(width * joined / max(expected, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Follow the watch stream; with a job, stop once its latest cohort is decided."""
+    addr = _addr(args)
+    tty = sys.stdout.isatty() and not args.json
+    with grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.StatusServiceStub(channel)
+        try:
+            for s in stub.WatchCohorts(pb.WatchCohortsRequest(job_id=args.job)):
+                state = STATE_NAMES.get(s.state, "?")
+                if args.json:
+                    print(json.dumps(_dict(s)), flush=True)
+                else:
+                    line = (
+                        f"{s.job_id} round {s.round} {_bar(s.joined, s.expected)} "
+                        f"{s.joined}/{s.expected} {state}"
+                        + (
+                            f", waiting for ranks {s.missing_ranks}"
+                            if s.missing_ranks and state == "waiting"
+                            else ""
+                        )
+                    )
+                    print(("\r\x1b[2K" if tty else "") + line, end="" if tty else "\n", flush=True)
+                if (
+                    args.job
+                    and state != "waiting"
+                    and s.job_id == args.job
+                    and _latest(stub, args.job, s.round)
+                ):
+                    if tty:
+                        print()
+                    print(f"verdict: {state} {s.reason}", flush=True)
+                    if state in ("refused", "expired"):
+                        _print_report(stub, args.job, s.round)
+                    return 0 if state == "formed" else 3
+        except grpc.RpcError as exc:
+            return _fail(addr, exc)
+        except KeyboardInterrupt:
+            return 130
+    return 0
+
+
+def _latest(stub: pb_grpc.StatusServiceStub, job: str, round_: int) -> bool:
+    reply = stub.ListCohorts(pb.ListCohortsRequest(job_id=job), timeout=10)
+    return max((c.round for c in reply.cohorts), default=0) <= round_
+
+
+def _print_report(stub: pb_grpc.StatusServiceStub, job: str, round_: int) -> None:
+    detail = stub.GetCohort(pb.GetCohortRequest(job_id=job, round=round_), timeout=10)
+    if detail.verdict.refusal.report:
+        print(detail.verdict.refusal.report)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    addr = _addr(args)
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            record = pb_grpc.StatusServiceStub(channel).GetVerdict(
+                pb.GetVerdictRequest(job_id=args.job, round=args.round), timeout=10
+            )
+        except grpc.RpcError as exc:
+            return _fail(addr, exc)
+    if args.json:
+        print(json.dumps(_dict(record), indent=1))
+        return 0
+    decided = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.decided_at_unix))
+    print(f"job {record.job_id} round {record.round}: {record.outcome} at {decided}Z")
+    print(f"cohort {record.cohort_id}, world size {record.world_size}")
+    print(f"reason: {record.reason}")
+    if record.report:
+        print()
+        print(record.report)
+    return 0

@@ -1,0 +1,418 @@
+"""What on-call sees: health, reflection, status API and page, metrics, logs, history, CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from coordinator.metrics import Metrics
+from tests.helpers import (
+    REPO,
+    InProcessCoordinator,
+    coordinator_process,
+    join_request,
+    kill_group,
+    manifest_of,
+    run_cohort,
+    run_rank,
+)
+
+CLI = [sys.executable, "-m", "coordinator.cli"]
+
+
+@pytest.fixture
+def coord() -> Iterator[InProcessCoordinator]:
+    c = InProcessCoordinator(join_deadline=30.0, progress_interval=0.2)
+    yield c
+    c.stop()
+
+
+def http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hold_partial_cohort(
+    coord: InProcessCoordinator, job: str, ranks: list[int], world: int
+) -> ThreadPoolExecutor:
+    """Ranks that join and wait (the cohort stays incomplete until the test completes it)."""
+    m = manifest_of()
+    pool = ThreadPoolExecutor(max_workers=len(ranks))
+    for r in ranks:
+        pool.submit(run_rank, coord.addr, join_request(job, r, world, m), m, 60.0)
+    give_up = time.monotonic() + 10
+    while True:
+        status = json.loads(http_get(coord.metrics_url + "/status.json"))
+        waiting = [c for c in status["waiting"] if c["job_id"] == job]
+        if waiting and waiting[0]["joined"] == len(ranks):
+            return pool
+        assert time.monotonic() < give_up, status
+        time.sleep(0.05)
+
+
+def finish_cohort(coord: InProcessCoordinator, job: str, ranks: list[int], world: int) -> None:
+    m = manifest_of()
+    with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+        list(pool.map(lambda r: run_rank(coord.addr, join_request(job, r, world, m), m), ranks))
+
+
+# -- gRPC health and reflection ---------------------------------------------------------
+def test_health_overall_and_per_service(coord: InProcessCoordinator) -> None:
+    with grpc.insecure_channel(coord.addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "cohortgate.v1.CohortService", "cohortgate.v1.StatusService"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_client_lists_services_and_calls_status(coord: InProcessCoordinator) -> None:
+    pool = hold_partial_cohort(coord, "reflected", [0], 2)
+    try:
+        with grpc.insecure_channel(coord.addr) as channel:
+            db = ProtoReflectionDescriptorDatabase(channel)
+            services = set(db.get_services())
+            assert {
+                "cohortgate.v1.CohortService",
+                "cohortgate.v1.StatusService",
+                "grpc.health.v1.Health",
+            } <= services
+            # No generated stubs: the request and reply types come from the server.
+            dpool = descriptor_pool.DescriptorPool(db)
+            method = dpool.FindServiceByName("cohortgate.v1.StatusService").FindMethodByName(
+                "ListCohorts"
+            )
+            request_cls = message_factory.GetMessageClass(method.input_type)
+            reply_cls = message_factory.GetMessageClass(method.output_type)
+            call = channel.unary_unary(
+                "/cohortgate.v1.StatusService/ListCohorts",
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=reply_cls.FromString,
+            )
+            reply: Any = call(request_cls(job_id="reflected"), timeout=5)
+            (cohort,) = reply.cohorts
+            assert (cohort.job_id, cohort.joined, cohort.expected) == ("reflected", 1, 2)
+            assert cohort.missing_ranks == "1"
+    finally:
+        finish_cohort(coord, "reflected", [1], 2)
+        pool.shutdown(wait=True)
+
+
+# -- status API -----------------------------------------------------------------------
+def test_status_list_detail_and_watch(coord: InProcessCoordinator) -> None:
+    from coordinator.api.v1 import cohort_pb2 as pb
+    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+
+    pool = hold_partial_cohort(coord, "watched", [0, 2], 4)
+    with grpc.insecure_channel(coord.addr) as channel:
+        stub = pb_grpc.StatusServiceStub(channel)
+        (summary,) = stub.ListCohorts(pb.ListCohortsRequest(job_id="watched"), timeout=5).cohorts
+        assert summary.state == pb.COHORT_STATE_WAITING
+        assert summary.missing_ranks == "1,3" and summary.deadline_in_seconds > 0
+        detail = stub.GetCohort(pb.GetCohortRequest(job_id="watched"), timeout=5)
+        assert [(r.rank, r.host) for r in detail.ranks] == [(0, "host0"), (2, "host0")]
+        assert all(r.incarnation and r.last_seen_unix > 0 for r in detail.ranks)
+        watch = stub.WatchCohorts(pb.WatchCohortsRequest(job_id="watched"), timeout=20)
+        first = next(watch)
+        assert first.joined == 2
+        finish_cohort(coord, "watched", [1, 3], 4)
+        states = []
+        for change in watch:
+            states.append(change.state)
+            if change.state != pb.COHORT_STATE_WAITING:
+                break
+        watch.cancel()
+        assert states[-1] == pb.COHORT_STATE_FORMED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetCohort(pb.GetCohortRequest(job_id="nope"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    pool.shutdown(wait=True)
+
+
+# -- the status page -------------------------------------------------------------------
+def test_status_page_in_headless_chromium_shows_missing_ranks(
+    coord: InProcessCoordinator, tmp_path: Path
+) -> None:
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is required (make test installs it)"
+    pool = hold_partial_cohort(coord, "page-job", [0, 1, 4], 6)
+    try:
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+        ]
+        url = coord.metrics_url + "/status"
+        dom = subprocess.run(
+            [chromium, *flags, "--dump-dom", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        shot = tmp_path / "status.png"
+        subprocess.run(
+            [chromium, *flags, f"--screenshot={shot}", "--window-size=1200,700", url],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        finish_cohort(coord, "page-job", [2, 3, 5], 6)
+        pool.shutdown(wait=True)
+    assert "Waiting cohorts" in dom
+    row = re.search(r"<tr><td>page-job</td>.*?</tr>", dom, re.S)
+    assert row is not None, dom
+    assert '<td class="missing">2-3,5</td>' in row.group(0)
+    assert "3/6" in row.group(0)
+    assert not re.search(r'(src|href)="(https?:)?//', dom), "the page loads nothing from outside"
+    assert shot.exists() and shot.stat().st_size > 1000
+    if os.environ.get("COHORTGATE_KEEP_SCREENSHOT"):
+        shutil.copy(shot, os.environ["COHORTGATE_KEEP_SCREENSHOT"])
+
+
+def test_status_json_and_metrics_endpoint(coord: InProcessCoordinator) -> None:
+    ref, wide = manifest_of(4), manifest_of(8)
+    run_cohort(coord.addr, "m-ok", {0: ref, 1: ref})
+    run_cohort(coord.addr, "m-bad", {0: ref, 1: wide})
+    text = http_get(coord.metrics_url + "/metrics")
+    assert 'cohortgate_verdicts_total{cause="none",outcome="formed"} 1.0' in text
+    assert 'cohortgate_verdicts_total{cause="signature_mismatch",outcome="refused"} 1.0' in text
+    assert "cohortgate_joins_total 4.0" in text
+    assert 'cohortgate_manifest_uploads_total{result="accepted"} 3.0' in text
+    assert 'cohortgate_formation_from_last_join_seconds_count{outcome="refused"} 1.0' in text
+    assert "cohortgate_ranks_waiting 0.0" in text
+    assert "rank=" not in text and "job=" not in text, "no per-rank or per-job labels"
+    status = json.loads(http_get(coord.metrics_url + "/status.json"))
+    outcomes = {(v["job_id"], v["outcome"]) for v in status["recent_verdicts"]}
+    assert {("m-ok", "formed"), ("m-bad", "refused")} <= outcomes
+
+
+# -- Prometheus itself -------------------------------------------------------------------
+def test_real_prometheus_scrapes_and_answers_promql(
+    coord: InProcessCoordinator, tmp_path: Path
+) -> None:
+    prometheus = shutil.which("prometheus")
+    assert prometheus, "Debian's prometheus is required (make test installs it)"
+    ref, wide = manifest_of(4), manifest_of(8)
+    run_cohort(coord.addr, "p-ok", {0: ref, 1: ref})
+    run_cohort(coord.addr, "p-bad", {0: ref, 1: wide})
+    run_cohort(coord.addr, "p-bad2", {0: wide, 1: ref, 2: ref})
+    target = coord.metrics_url.removeprefix("http://")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: cohortgate, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        query = "sum by (outcome) (cohortgate_verdicts_total)"
+        url = f"http://127.0.0.1:{port}/api/v1/query?query=" + urllib.request.quote(query)
+        give_up = time.monotonic() + 60
+        while True:
+            try:
+                result = json.loads(http_get(url))["data"]["result"]
+            except OSError:
+                result = []
+            counts = {r["metric"]["outcome"]: float(r["value"][1]) for r in result}
+            if counts:
+                break
+            assert time.monotonic() < give_up, "prometheus never scraped the coordinator"
+            time.sleep(0.5)
+    finally:
+        kill_group(proc)
+    assert counts == {"formed": 1.0, "refused": 2.0}
+
+
+def test_promtool_accepts_the_alert_rules_and_config() -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "Debian's prometheus package provides promtool"
+    rules = subprocess.run(
+        [promtool, "check", "rules", str(REPO / "deploy/prometheus/alerts.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rules.returncode == 0, rules.stdout + rules.stderr
+    assert "SUCCESS: 4 rules found" in rules.stdout
+    config = subprocess.run(
+        [promtool, "check", "config", str(REPO / "deploy/prometheus/prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert config.returncode == 0, config.stdout + config.stderr
+
+
+def _metric_names(text: str) -> set[str]:
+    return set(re.findall(r"\b(cohortgate_[a-z_]+)\b", text))
+
+
+def test_dashboard_and_alerts_use_only_exported_metrics() -> None:
+    exported = Metrics().names()
+    dashboard = json.loads((REPO / "deploy/grafana/cohortgate-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = _metric_names("\n".join(exprs))
+    used |= _metric_names((REPO / "deploy/prometheus/alerts.yml").read_text())
+    assert len(used) >= 8
+    assert used <= exported, f"not exported: {sorted(used - exported)}"
+    assert dashboard["id"] is None and dashboard["uid"] == "cohortgate-overview"
+    assert dashboard["templating"]["list"][0]["type"] == "datasource"
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
+
+
+# -- logs, history, CLI, shutdown -------------------------------------------------------
+def _cli(*args: str, addr: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args, "--addr", addr], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_history_survives_kill_9_and_explain_shows_the_refusal(tmp_path: Path) -> None:
+    ref, wide = manifest_of(4), manifest_of(8)
+    with coordinator_process(tmp=tmp_path) as (addr, log):
+        results = run_cohort(addr, "hist-job", {0: ref, 1: ref, 2: wide})
+        report = results[0].verdict.refusal.report if results[0].verdict else ""
+        assert report
+        # kill -9: no graceful shutdown, no flush on exit
+        pid = int(next(e for e in _events(log) if e.get("event") == "serving")["pid"])
+        os.kill(pid, signal.SIGKILL)
+    with coordinator_process(tmp=tmp_path) as (addr, _):
+        out = _cli("explain", "hist-job", addr=addr)
+        assert out.returncode == 0, out.stderr
+        assert "job hist-job round 1: refused" in out.stdout
+        assert report in out.stdout
+        as_json = json.loads(_cli("explain", "hist-job", "1", "--json", addr=addr).stdout)
+        assert as_json["outcome"] == "refused" and as_json["cause"] == "signature_mismatch"
+        # rounds continue after the restart, so history keys never collide
+        again = run_cohort(addr, "hist-job", {0: ref, 1: ref, 2: ref})
+        assert again[0].verdict is not None and again[0].verdict.round == 2
+        missing = _cli("explain", "never-ran", addr=addr)
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def test_logs_are_json_one_line_per_decision_reason_only_on_change(tmp_path: Path) -> None:
+    m = manifest_of()
+    with coordinator_process(tmp=tmp_path) as (addr, log):
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = [
+                pool.submit(run_rank, addr, join_request("logged", r, 4, m), m) for r in range(4)
+            ]
+            [f.result(timeout=30) for f in futures]
+        time.sleep(0.2)
+        events = _events(log)
+    mine = [e for e in events if e.get("job") == "logged"]
+    decisions = [e for e in mine if e["event"] in ("cohort formed", "cohort refused")]
+    assert len(decisions) == 1
+    assert decisions[0]["reason"] == "[4/4 ranks joined, 1 signature]"
+    assert decisions[0]["round"] == 1 and "timestamp" in decisions[0]
+    waiting = [e["reason"] for e in mine if e["event"] == "waiting"]
+    assert len(waiting) == len(set(waiting)), "a waiting reason is logged only when it changes"
+
+
+def test_status_and_watch_cli(coord: InProcessCoordinator) -> None:
+    pool = hold_partial_cohort(coord, "cli-job", [0, 1], 3)
+    try:
+        out = _cli("status", "--json", addr=coord.addr)
+        assert out.returncode == 0, out.stderr
+        (row,) = [c for c in json.loads(out.stdout) if c["job_id"] == "cli-job"]
+        assert row["state"] == "COHORT_STATE_WAITING" and row["missing_ranks"] == "2"
+        table = _cli("status", "cli-job", addr=coord.addr).stdout
+        assert "cli-job" in table and "missing 2" in table
+        watcher = subprocess.Popen(
+            [*CLI, "watch", "cli-job", "--addr", coord.addr],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        time.sleep(1.0)
+        finish_cohort(coord, "cli-job", [2], 3)
+        out_text, _ = watcher.communicate(timeout=30)
+    finally:
+        pool.shutdown(wait=True)
+    assert watcher.returncode == 0, out_text
+    assert "2/3 waiting, waiting for ranks 2" in out_text
+    assert "verdict: formed [3/3 ranks joined, 1 signature]" in out_text
+
+
+def test_cli_without_a_coordinator_says_where_it_looked() -> None:
+    out = _cli("status", addr=f"127.0.0.1:{free_port()}", timeout=60)
+    assert out.returncode == 1
+    assert "no coordinator answers at 127.0.0.1:" in out.stderr
+    assert "COHORTGATE_ADDR" in out.stderr
+
+
+def test_every_command_has_help() -> None:
+    for command in ([], ["serve"], ["status"], ["watch"], ["explain"], ["run"]):
+        out = subprocess.run([*CLI, *command, "--help"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, (command, out.stderr)
+        assert "usage: cohortgate" in out.stdout
+
+
+def test_sigterm_ends_waiting_joins_with_unavailable(tmp_path: Path) -> None:
+    m = manifest_of()
+    with (
+        coordinator_process(tmp=tmp_path) as (addr, log),
+        ThreadPoolExecutor(max_workers=1) as pool,
+    ):
+        waiting = pool.submit(run_rank, addr, join_request("shut", 0, 2, m), m)
+        time.sleep(0.5)
+        pid = int(next(e for e in _events(log) if e.get("event") == "serving")["pid"])
+        os.kill(pid, signal.SIGTERM)
+        result = waiting.result(timeout=30)
+    assert result.error is not None
+    assert result.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in (result.error.details() or "")
