@@ -161,7 +161,9 @@ def sha(data: bytes) -> bytes:
 
 
 @contextlib.contextmanager
-def coordinator_process(*flags: str, tmp: Path) -> Iterator[tuple[str, Path]]:
+def coordinator_process(
+    *flags: str, tmp: Path, listen: str = "127.0.0.1:0"
+) -> Iterator[tuple[str, Path]]:
     """`cohortgate serve` as a real subprocess on a free port; yields (addr, log path)."""
     port_file = tmp / f"port-{uuid.uuid4().hex[:6]}"
     log = tmp / f"coordinator-{uuid.uuid4().hex[:6]}.log"
@@ -173,7 +175,7 @@ def coordinator_process(*flags: str, tmp: Path) -> Iterator[tuple[str, Path]]:
                 "coordinator.cli",
                 "serve",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
                 "--port-file",
                 str(port_file),
                 "--metrics-listen",

@@ -416,3 +416,49 @@ def test_sigterm_ends_waiting_joins_with_unavailable(tmp_path: Path) -> None:
     assert result.error is not None
     assert result.error.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in (result.error.details() or "")
+
+
+def test_agents_retry_against_a_restarted_coordinator(tmp_path: Path) -> None:
+    from agent.client import JoinOptions, join
+    from agent.torchrun import RankIdentity
+    from coordinator.api.v1 import cohort_pb2 as pb
+
+    port = free_port()
+    listen = f"127.0.0.1:{port}"
+    m = manifest_of()
+
+    def rank(r: int) -> pb.Verdict:
+        identity = RankIdentity(
+            job_id="restarted",
+            rank=r,
+            world_size=2,
+            local_rank=r,
+            host="h",
+            pid=1,
+            incarnation=f"inc-{r}",
+            restart_count=0,
+            addr=listen,
+            error_file=None,
+            endpoint_host="127.0.0.1",
+        )
+        return join(
+            identity,
+            m,
+            init_method="tcp://127.0.0.1:1" if r == 0 else "",
+            runtime=pb.RuntimeFacts(),
+            options=JoinOptions(timeout_s=60, backoff_max_s=0.5),
+        )
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        with coordinator_process(tmp=tmp_path, listen=listen) as (_, log):
+            first = pool.submit(rank, 0)
+            time.sleep(0.8)
+            pid = int(next(e for e in _events(log) if e.get("event") == "serving")["pid"])
+            os.kill(pid, signal.SIGTERM)  # rank 0 is told UNAVAILABLE and starts retrying
+            time.sleep(1.0)
+        assert not first.done()
+        with coordinator_process(tmp=tmp_path, listen=listen):
+            second = pool.submit(rank, 1)
+            verdicts = [first.result(timeout=30), second.result(timeout=30)]
+    assert all(v.outcome == pb.Verdict.OUTCOME_FORMED for v in verdicts)
+    assert verdicts[0].cohort_id == verdicts[1].cohort_id
