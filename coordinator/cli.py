@@ -58,6 +58,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="SQLite file of past verdicts (default ~/.local/state/cohortgate/history.sqlite; off)",
     )
     p.add_argument("--history-retention-days", type=float, help="days a verdict is kept (30)")
+    p.add_argument("--job-retention", type=float, help="seconds a decided job stays in memory")
+    p.add_argument(
+        "--rank-grace", type=float, help="seconds within which a dead rank is dropped (15)"
+    )
+    p.add_argument("--tokens-file", type=Path, help="per-job bearer tokens: 'TOKEN JOB' lines")
+    p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
+    for limit in ("message-bytes", "world-size", "manifest-entries", "cohorts", "waiting-ranks"):
+        p.add_argument(f"--max-{limit}", type=int, help=f"limit: max {limit.replace('-', ' ')}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -67,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = from_env_and_flags(ServeConfig, flags)
         config.check_exposure()
+        config.check_tls()
     except (ValidationError, ValueError) as exc:
         print(f"cohortgate serve: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coordinator.formation import FormationOptions
+from coordinator.limits import Limits
 
 DEFAULT_PORT = 7070
 DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
@@ -62,6 +63,25 @@ class ServeConfig(BaseModel):
         DEFAULT_HISTORY, description="SQLite file of past verdicts; 'off' keeps none"
     )
     history_retention_days: float = Field(30.0, gt=0, description="days a verdict is kept")
+    job_retention: float = Field(
+        600.0, gt=0, description="seconds a decided job stays in memory (history keeps it)"
+    )
+    rank_grace: float = Field(
+        15.0, gt=0, description="seconds within which a dead rank's join is dropped"
+    )
+    tokens_file: Path | None = Field(
+        None, description="bearer tokens, one 'TOKEN JOB_ID' (or 'TOKEN *') per line"
+    )
+    tls_cert: Path | None = Field(None, description="server certificate (PEM) for TLS")
+    tls_key: Path | None = Field(None, description="server private key (PEM) for TLS")
+    tls_client_ca: Path | None = Field(
+        None, description="CA (PEM) that client certificates must chain to: mutual TLS"
+    )
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    max_world_size: int = Field(1 << 20, gt=0)
+    max_manifest_entries: int = Field(1_000_000, gt=0)
+    max_cohorts: int = Field(10_000, gt=0, description="waiting cohorts across all jobs")
+    max_waiting_ranks: int = Field(2_000_000, gt=0, description="waiting ranks across all jobs")
 
     @field_validator("listen")
     @classmethod
@@ -86,6 +106,30 @@ class ServeConfig(BaseModel):
                     f"{flag} {addr} is not a loopback address; pass --allow-remote "
                     "(COHORTGATE_ALLOW_REMOTE=1) to serve other hosts"
                 )
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_message_bytes=self.max_message_bytes,
+            max_world_size=self.max_world_size,
+            max_manifest_entries=self.max_manifest_entries,
+            max_cohorts=self.max_cohorts,
+            max_waiting_ranks=self.max_waiting_ranks,
+        )
+
+    def check_tls(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+    @property
+    def exposed(self) -> bool:
+        """True when some port listens beyond loopback."""
+        return any(
+            addr != "off" and not is_loopback(split_host_port(addr)[0])
+            for addr in (self.listen, self.metrics_listen)
+        )
 
     @property
     def history_path(self) -> str | None:

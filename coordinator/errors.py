@@ -33,3 +33,7 @@ class Unauthenticated(CohortgateError):
 
 class Unavailable(CohortgateError):
     """The coordinator cannot serve now (shutting down); the caller should retry."""
+
+
+class PermissionDenied(CohortgateError):
+    """A valid token for another job."""

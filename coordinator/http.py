@@ -13,6 +13,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.auth import Auth
+from coordinator.errors import CohortgateError, PermissionDenied
 from coordinator.service import Coordinator
 
 # How often the page reloads itself; dashboards need no faster.
@@ -118,11 +120,17 @@ tr.formed td{{background:#f0fff4}} pre{{white-space:pre-wrap;font-size:12px}}
 class MetricsServer:
     """A small threaded HTTP server; it reads coordinator state by hopping onto its loop."""
 
-    def __init__(self, coordinator: Coordinator, loop: asyncio.AbstractEventLoop, addr: str):
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        loop: asyncio.AbstractEventLoop,
+        addr: str,
+        auth: Auth | None = None,
+    ):
         self.coordinator = coordinator
         self.loop = loop
         host, _, port = addr.rpartition(":")
-        handler = _handler(self._snapshot, coordinator)
+        handler = _handler(self._snapshot, coordinator, auth or Auth(None))
         self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
@@ -143,11 +151,20 @@ class MetricsServer:
 
 
 def _handler(
-    take: Callable[[], dict[str, Any]], coordinator: Coordinator
+    take: Callable[[], dict[str, Any]], coordinator: Coordinator, auth: Auth
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
+            if path in ("/", "/status", "/status.json") and auth.enabled:
+                # Job names and refusal reports: only for an admin token once tokens are on.
+                try:
+                    header = self.headers.get("Authorization", "")
+                    if not auth.grant([("authorization", header)] if header else []).admin:
+                        raise PermissionDenied("the status page needs an admin token")
+                except CohortgateError as exc:
+                    self._send(401, "text/plain", f"{exc}\n".encode())
+                    return
             if path == "/metrics":
                 take()  # refreshes the gauges computed from the cohorts
                 self._send(

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.auth import Auth, TokenStore
 from coordinator.config import ServeConfig
 from coordinator.history import History
 from coordinator.http import MetricsServer
@@ -26,8 +27,6 @@ log = structlog.get_logger("cohortgate")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
 STATUS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StatusService"].full_name
-# A 100k-entry manifest is ~10 MB on the wire; 64 MiB leaves room and still bounds memory.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class RunningServer:
@@ -47,8 +46,11 @@ class RunningServer:
         self.port = port
         self.metrics = metrics
         self.metrics_port = metrics.port if metrics else 0
+        self.sweeper: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
         await self.health.enter_graceful_shutdown()
         self.coordinator.close()
         await self.server.stop(grace)
@@ -61,6 +63,9 @@ class RunningServer:
 
 async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> RunningServer:
     config.check_exposure()
+    config.check_tls()
+    auth = Auth(TokenStore.load(config.tokens_file) if config.tokens_file else None)
+    limits = config.limits
     if coordinator is None:
         path = config.history_path
         history = History(path, config.history_retention_days) if path else None
@@ -68,18 +73,24 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             config.formation,
             progress_interval_s=config.progress_interval,
             observer=Observer(history=history),
+            limits=limits,
         )
+    # A dead rank's connection is found by HTTP/2 keepalive: a ping every grace/2 seconds,
+    # and the connection (with the rank's join) dropped if no answer within grace/2.
+    half_grace_ms = int(config.rank_grace * 500)
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_send_message_length", limits.max_message_bytes),
+            ("grpc.keepalive_time_ms", half_grace_ms),
+            ("grpc.keepalive_timeout_ms", half_grace_ms),
             # Agents wait minutes on one call; let their keepalive pings through.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ]
     )
-    pb_grpc.add_CohortServiceServicer_to_server(CohortServicer(coordinator), server)
-    pb_grpc.add_StatusServiceServicer_to_server(StatusServicer(coordinator), server)
+    pb_grpc.add_CohortServiceServicer_to_server(CohortServicer(coordinator, auth, limits), server)
+    pb_grpc.add_StatusServiceServicer_to_server(StatusServicer(coordinator, auth), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -91,17 +102,39 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         ),
         server,
     )
-    port = server.add_insecure_port(config.listen)
+    if config.tls_cert is not None and config.tls_key is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+            root_certificates=config.tls_client_ca.read_bytes() if config.tls_client_ca else None,
+            require_client_auth=config.tls_client_ca is not None,
+        )
+        port = server.add_secure_port(config.listen, credentials)
+    else:
+        port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}: is the port in use?")
     metrics = None
     if config.metrics_listen != "off":
-        metrics = MetricsServer(coordinator, asyncio.get_running_loop(), config.metrics_listen)
+        metrics = MetricsServer(
+            coordinator, asyncio.get_running_loop(), config.metrics_listen, auth
+        )
         metrics.start()
     await server.start()
     for name in ("", SERVICE_NAME, STATUS_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = RunningServer(server, coordinator, health, port, metrics)
+    running.sweeper = asyncio.create_task(_sweep(coordinator, config.job_retention))
+    if config.exposed and (config.tls_cert is None or not auth.enabled):
+        missing = " and ".join(
+            what
+            for what, absent in (("TLS", config.tls_cert is None), ("tokens", not auth.enabled))
+            if absent
+        )
+        log.warning(
+            "serving a non-loopback address without " + missing,
+            advice="anyone who reaches the port can join, read or disturb cohorts; see "
+            "--tls-cert/--tls-key and --tokens-file",
+        )
     if config.port_file is not None:
         config.port_file.write_text(f"{port}\n{running.metrics_port}\n")
     host = config.listen.rpartition(":")[0]
@@ -116,6 +149,15 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         pid=os.getpid(),
     )
     return running
+
+
+async def _sweep(coordinator: Coordinator, retention_s: float) -> None:
+    """Forget decided jobs past their retention, so memory stays flat job after job."""
+    while True:
+        await asyncio.sleep(min(max(retention_s / 2, 0.5), 60.0))
+        evicted = coordinator.registry.evict(retention_s)
+        if evicted:
+            log.debug("forgot decided jobs", count=evicted)
 
 
 async def serve(config: ServeConfig, on_ready: Callable[[int], None] | None = None) -> None:

@@ -13,6 +13,7 @@ import structlog
 from coordinator import ranges
 from coordinator.errors import FailedPrecondition, Unavailable
 from coordinator.formation import FormationOptions, Member
+from coordinator.limits import Limits
 from coordinator.manifest import Manifest
 from coordinator.observers import Observer
 from coordinator.report import Verdict
@@ -54,12 +55,16 @@ class Coordinator:
         progress_interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
         observer: Observer | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.options = options or FormationOptions()
         self.observer = observer or Observer()
         history = self.observer.history
         self.registry = Registry(
-            self.options, clock, history.last_round if history is not None else lambda _: 0
+            self.options,
+            clock,
+            history.last_round if history is not None else lambda _: 0,
+            limits,
         )
         self.clock = clock
         self.progress_interval_s = progress_interval_s

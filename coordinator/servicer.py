@@ -10,6 +10,7 @@ import structlog
 from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.auth import Auth
 from coordinator.errors import (
     AlreadyHeld,
     CohortgateError,
@@ -17,9 +18,11 @@ from coordinator.errors import (
     InvalidArgument,
     LimitExceeded,
     NotFound,
+    PermissionDenied,
     Unauthenticated,
     Unavailable,
 )
+from coordinator.limits import Limits
 from coordinator.report import Verdict
 from coordinator.service import Coordinator, ManifestAsk, Progress
 
@@ -33,6 +36,7 @@ STATUS_CODES: dict[type[CohortgateError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -79,16 +83,25 @@ def _event(event: Progress | ManifestAsk | Verdict) -> pb.JoinEvent:
     )
 
 
+def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]]:
+    return [(m.key, m.value) for m in context.invocation_metadata() or ()]
+
+
 class CohortServicer(pb_grpc.CohortServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(
+        self, coordinator: Coordinator, auth: Auth | None = None, limits: Limits | None = None
+    ) -> None:
         self.coordinator = coordinator
+        self.auth = auth or Auth(None)
+        self.limits = limits or Limits()
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent]:
         with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
             try:
-                intent = wire.join_intent(request)
+                self.auth.check_job(_metadata(context), request.job_id)
+                intent = wire.join_intent(request, self.limits)
                 async for event in self.coordinator.join(intent):
                     yield _event(event)
             except CohortgateError as exc:
@@ -99,11 +112,12 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     ) -> pb.UploadManifestResponse:
         with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
             try:
+                self.auth.check_job(_metadata(context), request.job_id)
                 if len(request.signature) != 32:
                     raise InvalidArgument(
                         f"signature is {len(request.signature)} bytes; a SHA-256 signature is 32"
                     )
-                manifest = wire.manifest_from_pb(request.manifest)
+                manifest = wire.manifest_from_pb(request.manifest, self.limits)
                 self.coordinator.upload(
                     request.job_id,
                     request.round,
@@ -119,19 +133,37 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
 
 
 class StatusServicer(pb_grpc.StatusServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    """Status reads: a job token sees its job only; an admin token (or no auth) sees all."""
+
+    def __init__(self, coordinator: Coordinator, auth: Auth | None = None) -> None:
         self.coordinator = coordinator
+        self.auth = auth or Auth(None)
+
+    async def _scope(self, context: grpc.aio.ServicerContext, method: str, job_id: str) -> str:
+        """The job filter to apply: the one asked for, or the token's own job."""
+        try:
+            grant = self.auth.grant(_metadata(context))
+            if job_id:
+                if not grant.allows(job_id):
+                    self.auth.check_job(_metadata(context), job_id)
+                return job_id
+            return "" if grant.admin else grant.scope
+        except CohortgateError as exc:
+            await _abort(self.coordinator, context, method, exc)
+            raise AssertionError("unreachable") from exc
 
     async def ListCohorts(
         self, request: pb.ListCohortsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCohortsResponse:
-        summaries = self.coordinator.summaries(request.job_id)
+        job_id = await self._scope(context, "ListCohorts", request.job_id)
+        summaries = self.coordinator.summaries(job_id)
         return pb.ListCohortsResponse(cohorts=[wire.summary_to_pb(s) for s in summaries])
 
     async def GetCohort(
         self, request: pb.GetCohortRequest, context: grpc.aio.ServicerContext
     ) -> pb.CohortDetail:
-        cohort = self.coordinator.find(request.job_id, request.round)
+        job_id = await self._scope(context, "GetCohort", request.job_id)
+        cohort = self.coordinator.find(job_id, request.round) if job_id else None
         if cohort is None:
             what = f"round {request.round} of job" if request.round else "job"
             await _abort(
@@ -149,17 +181,19 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
     async def WatchCohorts(
         self, request: pb.WatchCohortsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CohortSummary]:
-        async for summary in self.coordinator.watch(request.job_id):
+        job_id = await self._scope(context, "WatchCohorts", request.job_id)
+        async for summary in self.coordinator.watch(job_id):
             yield wire.summary_to_pb(summary)
 
     async def GetVerdict(
         self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerdictRecord:
+        job_id = await self._scope(context, "GetVerdict", request.job_id)
         history = self.coordinator.observer.history
         try:
             if history is None:
                 raise FailedPrecondition("this coordinator keeps no history (--history is off)")
-            row = history.get(request.job_id, request.round)
+            row = history.get(job_id, request.round) if job_id else None
             if row is None:
                 what = f"round {request.round} of job" if request.round else "job"
                 raise NotFound(f"no verdict for {what} '{request.job_id[:64]}' in the history")

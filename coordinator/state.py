@@ -5,8 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.errors import AlreadyHeld, FailedPrecondition, InvalidArgument, NotFound
+from coordinator.errors import (
+    AlreadyHeld,
+    FailedPrecondition,
+    InvalidArgument,
+    LimitExceeded,
+    NotFound,
+)
 from coordinator.formation import CohortState, Decision, FormationOptions, Member, Outcome, decide
+from coordinator.limits import Limits
 from coordinator.manifest import Manifest
 from coordinator.report import Verdict, build_verdict
 
@@ -78,8 +85,12 @@ class Registry:
         options: FormationOptions,
         clock: Callable[[], float],
         last_round: Callable[[str], int] = lambda job_id: 0,
+        limits: Limits | None = None,
     ) -> None:
         self.options = options
+        self.limits = limits or Limits()
+        self.waiting_cohorts = 0
+        self.waiting_ranks = 0
         self.clock = clock
         # After a restart, a job's rounds continue from the history's last one.
         self.last_round = last_round
@@ -102,6 +113,16 @@ class Registry:
             if replay is not None:
                 return replay
         opened = job is None or job.current.verdict is not None
+        if opened and self.waiting_cohorts >= self.limits.max_cohorts:
+            raise LimitExceeded(
+                f"{self.waiting_cohorts} cohorts are waiting, the limit max_cohorts="
+                f"{self.limits.max_cohorts}; this join would open another"
+            )
+        if self.waiting_ranks >= self.limits.max_waiting_ranks:
+            raise LimitExceeded(
+                f"{self.waiting_ranks} ranks are waiting, the limit max_waiting_ranks="
+                f"{self.limits.max_waiting_ranks}"
+            )
         if job is None:
             first = self.last_round(intent.job_id) + 1
             cohort = self._new_cohort(intent, first, now)
@@ -131,6 +152,10 @@ class Registry:
                 f"join is from incarnation {member.incarnation} (host {member.host}, pid "
                 f"{member.pid}). Two processes claim the same RANK: check the launcher."
             )
+        if held is None:
+            self.waiting_ranks += 1
+        if opened:
+            self.waiting_cohorts += 1
         state.add(member, now)
         ask = self._needs_uploader(cohort, member.signature)
         if ask:
@@ -189,6 +214,8 @@ class Registry:
         """
         if cohort.verdict is not None:
             return None
+        if cohort.state.members.get(member.rank) is member:
+            self.waiting_ranks -= 1
         cohort.state.remove(member, self.clock())
         asked = cohort.asked.get(member.signature)
         if asked != (member.rank, member.incarnation):
@@ -254,6 +281,8 @@ class Registry:
         if decision.outcome is Outcome.WAITING:
             return decision
         cohort.verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
+        self.waiting_cohorts -= 1
+        self.waiting_ranks -= len(cohort.state.members)
         job = self.jobs[cohort.job_id]
         for m in cohort.state.members.values():
             job.incarnations[m.incarnation] = cohort.round
@@ -261,3 +290,17 @@ class Registry:
 
     def waiting(self) -> list[Cohort]:
         return [j.current for j in self.jobs.values() if j.current.verdict is None]
+
+    def evict(self, older_than_s: float) -> int:
+        """Forget jobs decided longer ago than `older_than_s` (history keeps their verdicts),
+        so a coordinator serving job after job holds a bounded number of them."""
+        now = self.clock()
+        stale = [
+            job_id
+            for job_id, job in self.jobs.items()
+            if job.current.verdict is not None
+            and now - job.current.verdict.decided_at > older_than_s
+        ]
+        for job_id in stale:
+            del self.jobs[job_id]
+        return len(stale)

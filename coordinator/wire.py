@@ -9,17 +9,17 @@ from coordinator.diff import FirstDifference as DomainFirstDifference
 from coordinator.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from coordinator.formation import Cause, Member, Outcome
 from coordinator.history import VerdictRow
+from coordinator.limits import Limits
 from coordinator.manifest import MANIFEST_FORMAT_VERSION, Entry, Kind, Manifest, ManifestError
 from coordinator.report import Verdict
 from coordinator.state import Cohort, JoinIntent
 from coordinator.status import CohortSummary
 
 PROTOCOL_VERSION = 1
+DEFAULT_LIMITS = Limits()
 
 MAX_JOB_ID = 256
 MAX_TEXT = 512
-MAX_WORLD_SIZE = 1 << 20
-MAX_MANIFEST_ENTRIES = 1_000_000
 MAX_NAME = 1024
 MAX_DIMS = 64
 
@@ -45,7 +45,7 @@ def _text(value: str, field: str, limit: int = MAX_TEXT, *, required: bool = Fal
     return value
 
 
-def join_intent(req: pb.JoinRequest) -> JoinIntent:
+def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinIntent:
     if req.protocol_version != PROTOCOL_VERSION:
         raise FailedPrecondition(
             f"agent speaks protocol {req.protocol_version}, coordinator {PROTOCOL_VERSION}: "
@@ -54,17 +54,19 @@ def join_intent(req: pb.JoinRequest) -> JoinIntent:
     job_id = _text(req.job_id, "job_id", MAX_JOB_ID, required=True)
     if req.world_size == 0:
         raise InvalidArgument("world_size is 0; a cohort needs at least one rank")
-    if req.world_size > MAX_WORLD_SIZE:
+    if req.world_size > limits.max_world_size:
         raise LimitExceeded(
-            f"world_size {req.world_size} is above this coordinator's limit {MAX_WORLD_SIZE}"
+            f"world_size {req.world_size} is above this coordinator's limit "
+            f"max_world_size={limits.max_world_size}"
         )
     if len(req.signature) != 32:
         raise InvalidArgument(
             f"signature is {len(req.signature)} bytes; a SHA-256 signature is 32 bytes"
         )
-    if req.manifest_entries > MAX_MANIFEST_ENTRIES:
+    if req.manifest_entries > limits.max_manifest_entries:
         raise LimitExceeded(
-            f"manifest_entries {req.manifest_entries} is above the limit {MAX_MANIFEST_ENTRIES}"
+            f"manifest_entries {req.manifest_entries} is above the limit "
+            f"max_manifest_entries={limits.max_manifest_entries}"
         )
     init_method = _text(req.init_method, "init_method")
     if req.rank == 0 and not init_method:
@@ -139,15 +141,16 @@ def entry_from_pb(msg: pb.ManifestEntry, position: int) -> Entry:
     )
 
 
-def manifest_from_pb(msg: pb.Manifest) -> Manifest:
+def manifest_from_pb(msg: pb.Manifest, limits: Limits = DEFAULT_LIMITS) -> Manifest:
     if msg.format != MANIFEST_FORMAT_VERSION:
         raise FailedPrecondition(
             f"manifest format {msg.format} is not the format this coordinator reads "
             f"({MANIFEST_FORMAT_VERSION}); upgrade the older of agent and coordinator"
         )
-    if len(msg.entries) > MAX_MANIFEST_ENTRIES:
+    if len(msg.entries) > limits.max_manifest_entries:
         raise LimitExceeded(
-            f"manifest has {len(msg.entries)} entries; the limit is {MAX_MANIFEST_ENTRIES}"
+            f"manifest has {len(msg.entries)} entries; the limit is "
+            f"max_manifest_entries={limits.max_manifest_entries}"
         )
     try:
         return Manifest.of(entry_from_pb(e, i) for i, e in enumerate(msg.entries))

@@ -1,0 +1,16 @@
+"""Limits on what the network can make the coordinator hold, each checked before allocating."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    # 64 MiB carries a manifest of ~500k entries; anything larger is not a model manifest.
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_world_size: int = 1 << 20
+    max_manifest_entries: int = 1_000_000
+    # Waiting cohorts and ranks across all jobs: what a flood of bogus joins can pin down.
+    max_cohorts: int = 10_000
+    max_waiting_ranks: int = 2_000_000
