@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -16,6 +17,7 @@ from agent.torchrun import RankIdentity
 from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.channel import ClientSecurity
 from coordinator.manifest import Manifest
 
 logger = logging.getLogger("cohortgate.agent")
@@ -36,7 +38,8 @@ class CohortgateError(RuntimeError):
 
 @dataclass(frozen=True)
 class JoinOptions:
-    timeout_s: float = 900.0  # above the coordinator's default 600 s join deadline
+    # Above the coordinator's default 600 s join deadline; COHORTGATE_TIMEOUT overrides.
+    timeout_s: float = float(os.environ.get("COHORTGATE_TIMEOUT") or 900.0)
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
 
@@ -92,7 +95,8 @@ def join(
     give_up_at = time.monotonic() + opts.timeout_s
     delay = opts.backoff_initial_s
     last_error = ""
-    with grpc.insecure_channel(
+    security = ClientSecurity.from_env()
+    with security.channel(
         identity.addr,
         options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -112,7 +116,9 @@ def join(
                     "runs and that COHORTGATE_ADDR points at it"
                 )
             try:
-                return _stream(stub, request, identity, manifest, remaining, on_progress)
+                return _stream(
+                    stub, request, identity, manifest, remaining, on_progress, security.metadata
+                )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details()
                 if code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -136,6 +142,7 @@ def _upload(
     manifest: Manifest,
     round_: int,
     timeout: float,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> None:
     """Answer a manifest request. A refused upload is not the end: the coordinator refuses
     the whole cohort for it, and this rank waits on its join to receive that verdict too."""
@@ -150,6 +157,7 @@ def _upload(
                 manifest=wire.manifest_to_pb(manifest),
             ),
             timeout=min(timeout, 60.0),
+            metadata=metadata,
         )
     except grpc.RpcError as exc:
         if exc.code() in RETRYABLE:
@@ -164,15 +172,16 @@ def _stream(
     manifest: Manifest,
     timeout: float,
     on_progress: Callable[[pb.Progress], None] | None,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> pb.Verdict:
     last_said = float("-inf")
-    for event in stub.Join(request, timeout=timeout, wait_for_ready=True):
+    for event in stub.Join(request, timeout=timeout, wait_for_ready=True, metadata=metadata):
         kind = event.WhichOneof("event")
         if kind == "verdict":
             verdict: pb.Verdict = event.verdict
             return verdict
         if kind == "manifest_request":
-            _upload(stub, identity, manifest, event.manifest_request.round, timeout)
+            _upload(stub, identity, manifest, event.manifest_request.round, timeout, metadata)
         elif kind == "progress":
             progress = event.progress
             request.round = progress.round  # a reconnect re-joins this round, not a new one

@@ -19,7 +19,8 @@ CREATE TABLE IF NOT EXISTS verdicts (
     report       TEXT NOT NULL,
     world_size   INTEGER NOT NULL,
     decided_at   REAL NOT NULL,
-    members      TEXT NOT NULL  -- JSON {rank: incarnation}, to replay a verdict after restart
+    members      TEXT NOT NULL, -- JSON {rank: incarnation}, to replay a verdict after restart
+    verdict      BLOB           -- the cohortgate.v1.Verdict every rank received
 );
 CREATE INDEX IF NOT EXISTS verdicts_job_round ON verdicts (job_id, round);
 CREATE INDEX IF NOT EXISTS verdicts_decided_at ON verdicts (decided_at);
@@ -38,6 +39,7 @@ class VerdictRow:
     world_size: int
     decided_at: float
     members: dict[int, str]
+    verdict: bytes = b""
 
 
 class History:
@@ -54,14 +56,21 @@ class History:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        self._migrate()
         self.prune()
+
+    def _migrate(self) -> None:
+        """Bring a file written by an older coordinator up to this schema, in place."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(verdicts)")}
+        if "verdict" not in columns:
+            self.db.execute("ALTER TABLE verdicts ADD COLUMN verdict BLOB")
 
     def close(self) -> None:
         self.db.close()
 
     def record(self, row: VerdictRow) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.cohort_id,
                 row.job_id,
@@ -73,6 +82,7 @@ class History:
                 row.world_size,
                 row.decided_at,
                 json.dumps({str(k): v for k, v in row.members.items()}),
+                row.verdict,
             ),
         )
 
@@ -110,6 +120,18 @@ class History:
             )
         return [_row(r) for r in cur.fetchall()]
 
+    def verdict_of(self, job_id: str, incarnation: str, rounds: int = 4) -> bytes | None:
+        """The stored verdict of a recent round of `job_id` that `incarnation` took part in:
+        a rank re-joining after a coordinator restart gets the verdict it would have had."""
+        cur = self.db.execute(
+            "SELECT members, verdict FROM verdicts WHERE job_id = ? ORDER BY round DESC LIMIT ?",
+            (job_id, rounds),
+        )
+        for members, verdict in cur.fetchall():
+            if verdict and incarnation in json.loads(members).values():
+                return bytes(verdict)
+        return None
+
     def last_round(self, job_id: str) -> int:
         found = self.db.execute(
             "SELECT MAX(round) FROM verdicts WHERE job_id = ?", (job_id,)
@@ -130,4 +152,5 @@ def _row(r: tuple[object, ...]) -> VerdictRow:
         world_size=int(str(r[7])),
         decided_at=float(str(r[8])),
         members={int(k): str(v) for k, v in members.items()},
+        verdict=r[10] if isinstance(r[10], bytes) else b"",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from coordinator.history import History, VerdictRow
 from coordinator.metrics import Metrics
 from coordinator.state import Cohort
+from coordinator.wire import verdict_to_pb
 
 
 class Observer:
@@ -57,6 +58,7 @@ class Observer:
                     world_size=verdict.world_size,
                     decided_at=verdict.decided_at,
                     members={m.rank: m.incarnation for m in cohort.state.members.values()},
+                    verdict=verdict_to_pb(verdict).SerializeToString(),
                 )
             )
 

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -14,26 +15,31 @@ from google.protobuf.json_format import MessageToDict
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.channel import ClientSecurity
 from coordinator.config import DEFAULT_ADDR
 from coordinator.wire import STATE_NAMES
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     addr_help = f"coordinator HOST:PORT (default $COHORTGATE_ADDR, else {DEFAULT_ADDR})"
+    token_help = "bearer token (default $COHORTGATE_TOKEN); TLS from $COHORTGATE_TLS_*"
     p = sub.add_parser("status", help="list cohorts (waiting and recently decided)")
     p.add_argument("job", nargs="?", default="", help="only this job")
     p.add_argument("--addr", help=addr_help)
+    p.add_argument("--token", help=token_help)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("watch", help="live progress of a job's cohort, then its verdict")
     p.add_argument("job", nargs="?", default="", help="only this job (default: every job)")
     p.add_argument("--addr", help=addr_help)
+    p.add_argument("--token", help=token_help)
     p.add_argument("--json", action="store_true", help="one JSON object per change")
     p.set_defaults(func=cmd_watch)
     p = sub.add_parser("explain", help="the full report of a past verdict, from history")
     p.add_argument("job")
     p.add_argument("round", nargs="?", type=int, default=0, help="default: the latest")
     p.add_argument("--addr", help=addr_help)
+    p.add_argument("--token", help=token_help)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
 
@@ -72,10 +78,11 @@ def _row(s: pb.CohortSummary) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     addr = _addr(args)
-    with grpc.insecure_channel(addr) as channel:
+    security = ClientSecurity.from_env(token=args.token)
+    with security.channel(addr) as channel:
         try:
             reply = pb_grpc.StatusServiceStub(channel).ListCohorts(
-                pb.ListCohortsRequest(job_id=args.job), timeout=10
+                pb.ListCohortsRequest(job_id=args.job), timeout=10, metadata=security.metadata
             )
         except grpc.RpcError as exc:
             return _fail(addr, exc)
@@ -100,10 +107,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
     """Follow the watch stream; with a job, stop once its latest cohort is decided."""
     addr = _addr(args)
     tty = sys.stdout.isatty() and not args.json
-    with grpc.insecure_channel(addr) as channel:
+    security = ClientSecurity.from_env(token=args.token)
+    with security.channel(addr) as channel:
         stub = pb_grpc.StatusServiceStub(channel)
         try:
-            for s in stub.WatchCohorts(pb.WatchCohortsRequest(job_id=args.job)):
+            for s in stub.WatchCohorts(
+                pb.WatchCohortsRequest(job_id=args.job), metadata=security.metadata
+            ):
                 state = STATE_NAMES.get(s.state, "?")
                 if args.json:
                     print(json.dumps(_dict(s)), flush=True)
@@ -122,13 +132,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
                     args.job
                     and state != "waiting"
                     and s.job_id == args.job
-                    and _latest(stub, args.job, s.round)
+                    and _latest(stub, args.job, s.round, security.metadata)
                 ):
                     if tty:
                         print()
                     print(f"verdict: {state} {s.reason}", flush=True)
                     if state in ("refused", "expired"):
-                        _print_report(stub, args.job, s.round)
+                        _print_report(stub, args.job, s.round, security.metadata)
                     return 0 if state == "formed" else 3
         except grpc.RpcError as exc:
             return _fail(addr, exc)
@@ -137,23 +147,32 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _latest(stub: pb_grpc.StatusServiceStub, job: str, round_: int) -> bool:
-    reply = stub.ListCohorts(pb.ListCohortsRequest(job_id=job), timeout=10)
+def _latest(
+    stub: pb_grpc.StatusServiceStub, job: str, round_: int, metadata: Sequence[tuple[str, str]]
+) -> bool:
+    reply = stub.ListCohorts(pb.ListCohortsRequest(job_id=job), timeout=10, metadata=metadata)
     return max((c.round for c in reply.cohorts), default=0) <= round_
 
 
-def _print_report(stub: pb_grpc.StatusServiceStub, job: str, round_: int) -> None:
-    detail = stub.GetCohort(pb.GetCohortRequest(job_id=job, round=round_), timeout=10)
+def _print_report(
+    stub: pb_grpc.StatusServiceStub, job: str, round_: int, metadata: Sequence[tuple[str, str]]
+) -> None:
+    detail = stub.GetCohort(
+        pb.GetCohortRequest(job_id=job, round=round_), timeout=10, metadata=metadata
+    )
     if detail.verdict.refusal.report:
         print(detail.verdict.refusal.report)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     addr = _addr(args)
-    with grpc.insecure_channel(addr) as channel:
+    security = ClientSecurity.from_env(token=args.token)
+    with security.channel(addr) as channel:
         try:
             record = pb_grpc.StatusServiceStub(channel).GetVerdict(
-                pb.GetVerdictRequest(job_id=args.job, round=args.round), timeout=10
+                pb.GetVerdictRequest(job_id=args.job, round=args.round),
+                timeout=10,
+                metadata=security.metadata,
             )
         except grpc.RpcError as exc:
             return _fail(addr, exc)

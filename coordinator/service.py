@@ -35,13 +35,20 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class StoredVerdict:
+    """A verdict from history, as the bytes every rank of its cohort received."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
 class ManifestAsk:
     signature: bytes
     job_id: str
     round: int
 
 
-JoinEvent = Progress | ManifestAsk | Verdict
+JoinEvent = Progress | ManifestAsk | Verdict | StoredVerdict
 StreamKey = tuple[str, int, int, str]  # job, round, rank, incarnation
 
 
@@ -79,6 +86,15 @@ class Coordinator:
     async def join(self, intent: JoinIntent) -> AsyncIterator[JoinEvent]:
         if self._closing:
             raise Unavailable("the coordinator is shutting down; retry against its successor")
+        history = self.observer.history
+        if history is not None and intent.job_id not in self.registry.jobs:
+            # After a restart (or once the job left memory): a rank of a decided cohort that
+            # re-joins with its incarnation gets that verdict back, not a new round.
+            stored = history.verdict_of(intent.job_id, intent.member.incarnation)
+            if stored is not None:
+                log.info("verdict replayed from history", job=intent.job_id)
+                yield StoredVerdict(stored)
+                return
         result = self.registry.join(intent)
         cohort, member = result.cohort, result.member
         if result.replayed:

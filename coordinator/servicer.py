@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,7 +25,7 @@ from coordinator.errors import (
 )
 from coordinator.limits import Limits
 from coordinator.report import Verdict
-from coordinator.service import Coordinator, ManifestAsk, Progress
+from coordinator.service import Coordinator, ManifestAsk, Progress, StoredVerdict
 
 log = structlog.get_logger("cohortgate")
 
@@ -61,7 +62,24 @@ async def _abort(
     await context.abort(code, str(exc))
 
 
-def _event(event: Progress | ManifestAsk | Verdict) -> pb.JoinEvent:
+async def _internal(
+    coordinator: Coordinator, context: grpc.aio.ServicerContext, method: str, exc: Exception
+) -> None:
+    """A bug, not a bad request: log it whole, answer INTERNAL, keep serving."""
+    if isinstance(exc, asyncio.CancelledError | grpc.aio.AbortError):
+        raise exc
+    coordinator.observer.rpc_error(method, "INTERNAL")
+    log.exception("internal error", method=method)
+    await context.abort(
+        grpc.StatusCode.INTERNAL,
+        f"internal error in the coordinator ({type(exc).__name__}: {exc}); its log has the "
+        "traceback. Please report it.",
+    )
+
+
+def _event(event: Progress | ManifestAsk | Verdict | StoredVerdict) -> pb.JoinEvent:
+    if isinstance(event, StoredVerdict):
+        return pb.JoinEvent(verdict=pb.Verdict.FromString(event.data))
     if isinstance(event, Verdict):
         return pb.JoinEvent(verdict=wire.verdict_to_pb(event))
     if isinstance(event, ManifestAsk):
@@ -106,6 +124,8 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
                     yield _event(event)
             except CohortgateError as exc:
                 await _abort(self.coordinator, context, "Join", exc)
+            except Exception as exc:
+                await _internal(self.coordinator, context, "Join", exc)
 
     async def UploadManifest(
         self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
@@ -129,6 +149,8 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
                 )
             except CohortgateError as exc:
                 await _abort(self.coordinator, context, "UploadManifest", exc)
+            except Exception as exc:
+                await _internal(self.coordinator, context, "UploadManifest", exc)
         return pb.UploadManifestResponse()
 
 

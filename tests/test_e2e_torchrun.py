@@ -156,7 +156,11 @@ def test_cohortgate_run_is_the_one_command_way_in(tmp_path: Path) -> None:
         text=True,
         start_new_session=True,
         cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "COHORTGATE_HISTORY": str(tmp_path / "history.sqlite"),
+        },
     )
     try:
         out, _ = proc.communicate(timeout=150)

@@ -1,0 +1,72 @@
+"""Client side of the wire, shared by the agent and the CLI: channel, TLS and bearer token."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """What a client presents and verifies, from COHORTGATE_* variables.
+
+    COHORTGATE_TOKEN: bearer token. COHORTGATE_TLS_CA: CA file to verify the server with
+    (COHORTGATE_TLS=1 uses the system's roots instead). COHORTGATE_TLS_CERT and
+    COHORTGATE_TLS_KEY: a client certificate for mutual TLS. COHORTGATE_TLS_SERVER_NAME: the
+    name to verify when the address is not in the server's certificate.
+    """
+
+    token: str | None = None
+    tls: bool = False
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, token: str | None = None
+    ) -> ClientSecurity:
+        env = os.environ if env is None else env
+
+        def path(name: str) -> Path | None:
+            value = env.get(name)
+            return Path(value) if value else None
+
+        ca, cert, key = (
+            path("COHORTGATE_TLS_CA"),
+            path("COHORTGATE_TLS_CERT"),
+            path("COHORTGATE_TLS_KEY"),
+        )
+        tls = bool(ca or cert) or env.get("COHORTGATE_TLS", "").lower() in ("1", "true", "yes")
+        return cls(
+            token=token or env.get("COHORTGATE_TOKEN") or None,
+            tls=tls,
+            ca=ca,
+            cert=cert,
+            key=key,
+            server_name=env.get("COHORTGATE_TLS_SERVER_NAME") or None,
+        )
+
+    @property
+    def metadata(self) -> Sequence[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def channel(self, addr: str, options: Sequence[tuple[str, int | str]] = ()) -> grpc.Channel:
+        opts = list(options)
+        if not self.tls:
+            return grpc.insecure_channel(addr, options=opts)
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+        if self.server_name:
+            opts.append(("grpc.ssl_target_name_override", self.server_name))
+        return grpc.secure_channel(addr, credentials, options=opts)
