@@ -1,0 +1,329 @@
+"""Tokens, TLS and mutual TLS, limits and exposure: each refusal with the right status code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.channel import ClientSecurity
+from tests.helpers import InProcessCoordinator, coordinator_process, join_request, manifest_of
+
+TOKEN_A = "token-for-job-a-0123456789"
+TOKEN_B = "token-for-job-b-0123456789"
+ADMIN = "admin-token-0123456789abcdef"
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1/localhost, and a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=cohortgate test CA",
+        cwd=d,
+    )
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            cwd=d,
+        )
+    return d
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[InProcessCoordinator]:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# job tokens\n{TOKEN_A} job-a\n{TOKEN_B} job-b\n{ADMIN} *\n")
+    c = InProcessCoordinator(tokens_file=tokens, join_deadline=10.0)
+    yield c
+    c.stop()
+
+
+def bearer(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def join_once(
+    channel: grpc.Channel, job: str, metadata: list[tuple[str, str]], world: int = 1
+) -> pb.Verdict:
+    """A one-rank cohort: join, upload when asked, return the verdict (or raise)."""
+    m = manifest_of()
+    stub = pb_grpc.CohortServiceStub(channel)
+    request = join_request(job, 0, world, m)
+    for event in stub.Join(request, timeout=10, metadata=metadata):
+        kind = event.WhichOneof("event")
+        if kind == "manifest_request":
+            from coordinator import wire
+
+            stub.UploadManifest(
+                pb.UploadManifestRequest(
+                    job_id=job,
+                    round=event.manifest_request.round,
+                    rank=0,
+                    incarnation=request.incarnation,
+                    signature=m.signature(),
+                    manifest=wire.manifest_to_pb(m),
+                ),
+                timeout=10,
+                metadata=metadata,
+            )
+        elif kind == "verdict":
+            return event.verdict
+    raise AssertionError("no verdict")
+
+
+def code_of(fn: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()  # type: ignore[operator]
+    return err.value.code()
+
+
+def test_tokens_gate_joins_per_job(secured: InProcessCoordinator) -> None:
+    with grpc.insecure_channel(secured.addr) as ch:
+        assert code_of(lambda: join_once(ch, "job-a", [])) == grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            code_of(lambda: join_once(ch, "job-a", bearer("wrong-token-0123456789")))
+            == grpc.StatusCode.UNAUTHENTICATED
+        )
+        assert (
+            code_of(lambda: join_once(ch, "job-b", bearer(TOKEN_A)))
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert join_once(ch, "job-a", bearer(TOKEN_A)).outcome == pb.Verdict.OUTCOME_FORMED
+        assert join_once(ch, "job-b", bearer(ADMIN)).outcome == pb.Verdict.OUTCOME_FORMED
+
+
+def test_tokens_gate_status_and_watch(secured: InProcessCoordinator) -> None:
+    with grpc.insecure_channel(secured.addr) as ch:
+        join_once(ch, "job-a", bearer(TOKEN_A))
+        join_once(ch, "job-b", bearer(TOKEN_B))
+        status = pb_grpc.StatusServiceStub(ch)
+        no_token = lambda: status.ListCohorts(pb.ListCohortsRequest(), timeout=5)  # noqa: E731
+        assert code_of(no_token) == grpc.StatusCode.UNAUTHENTICATED
+        mine = status.ListCohorts(pb.ListCohortsRequest(), timeout=5, metadata=bearer(TOKEN_A))
+        assert {c.job_id for c in mine.cohorts} == {"job-a"}, "a job token sees its job only"
+        every = status.ListCohorts(pb.ListCohortsRequest(), timeout=5, metadata=bearer(ADMIN))
+        assert {c.job_id for c in every.cohorts} == {"job-a", "job-b"}
+        for call in (
+            lambda: status.ListCohorts(
+                pb.ListCohortsRequest(job_id="job-b"), timeout=5, metadata=bearer(TOKEN_A)
+            ),
+            lambda: status.GetCohort(
+                pb.GetCohortRequest(job_id="job-b"), timeout=5, metadata=bearer(TOKEN_A)
+            ),
+            lambda: status.GetVerdict(
+                pb.GetVerdictRequest(job_id="job-b"), timeout=5, metadata=bearer(TOKEN_A)
+            ),
+            lambda: next(
+                status.WatchCohorts(
+                    pb.WatchCohortsRequest(job_id="job-b"), timeout=5, metadata=bearer(TOKEN_A)
+                )
+            ),
+        ):
+            assert code_of(call) == grpc.StatusCode.PERMISSION_DENIED
+        watch = status.WatchCohorts(pb.WatchCohortsRequest(), timeout=5, metadata=bearer(TOKEN_A))
+        assert next(watch).job_id == "job-a"
+        watch.cancel()
+        record = status.GetVerdict(
+            pb.GetVerdictRequest(job_id="job-a"), timeout=5, metadata=bearer(TOKEN_A)
+        )
+        assert record.outcome == "formed"
+
+
+def test_status_page_needs_an_admin_token(secured: InProcessCoordinator) -> None:
+    import urllib.error
+    import urllib.request
+
+    url = secured.metrics_url + "/status.json"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url, timeout=5)
+    assert err.value.code == 401
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN_A}"})
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(req, timeout=5)
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(req, timeout=5) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(secured.metrics_url + "/metrics", timeout=5) as reply:
+        assert reply.status == 200  # no job names in metrics: left open for Prometheus
+
+
+def test_tls_server_refuses_plaintext_and_serves_verified_clients(pki: Path) -> None:
+    c = InProcessCoordinator(tls_cert=pki / "server.pem", tls_key=pki / "server.key")
+    try:
+        with grpc.insecure_channel(c.addr) as plain:
+            assert code_of(lambda: join_once(plain, "tls-job", [])) == grpc.StatusCode.UNAVAILABLE
+        wrong_ca = ClientSecurity(tls=True, ca=pki / "client.pem")
+        with wrong_ca.channel(c.addr) as ch:
+            assert code_of(lambda: join_once(ch, "tls-job", [])) == grpc.StatusCode.UNAVAILABLE
+        good = ClientSecurity(tls=True, ca=pki / "ca.pem")
+        with good.channel(c.addr) as ch:
+            assert join_once(ch, "tls-job", []).outcome == pb.Verdict.OUTCOME_FORMED
+    finally:
+        c.stop()
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate(pki: Path) -> None:
+    c = InProcessCoordinator(
+        tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem"
+    )
+    try:
+        anonymous = ClientSecurity(tls=True, ca=pki / "ca.pem")
+        with anonymous.channel(c.addr) as ch:
+            assert code_of(lambda: join_once(ch, "mtls-job", [])) == grpc.StatusCode.UNAVAILABLE
+        with_cert = ClientSecurity(
+            tls=True, ca=pki / "ca.pem", cert=pki / "client.pem", key=pki / "client.key"
+        )
+        with with_cert.channel(c.addr) as ch:
+            assert join_once(ch, "mtls-job", []).outcome == pb.Verdict.OUTCOME_FORMED
+    finally:
+        c.stop()
+
+
+def test_agent_uses_token_and_tls_from_its_environment(pki: Path, tmp_path: Path) -> None:
+    from agent.client import JoinOptions, join
+    from agent.torchrun import RankIdentity
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN_A} job-a\n")
+    c = InProcessCoordinator(
+        tokens_file=tokens, tls_cert=pki / "server.pem", tls_key=pki / "server.key"
+    )
+    env = {"COHORTGATE_TOKEN": TOKEN_A, "COHORTGATE_TLS_CA": str(pki / "ca.pem")}
+    saved = {k: __import__("os").environ.get(k) for k in env}
+    import os
+
+    os.environ.update(env)
+    try:
+        identity = RankIdentity(
+            job_id="job-a",
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            host="h",
+            pid=1,
+            incarnation="i",
+            restart_count=0,
+            addr=c.addr,
+            error_file=None,
+            endpoint_host="127.0.0.1",
+        )
+        verdict = join(
+            identity,
+            manifest_of(),
+            init_method="tcp://127.0.0.1:1",
+            runtime=pb.RuntimeFacts(),
+            options=JoinOptions(timeout_s=20),
+        )
+        assert verdict.outcome == pb.Verdict.OUTCOME_FORMED
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        c.stop()
+
+
+def test_limits_name_the_limit_and_its_value() -> None:
+    c = InProcessCoordinator(max_cohorts=2, max_waiting_ranks=3, max_world_size=64)
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tests.helpers import run_rank
+
+        m = manifest_of()
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            held = [
+                pool.submit(run_rank, c.addr, join_request(f"lim-{i}", 0, 2, m), m, 5.0)
+                for i in range(2)
+            ]
+            import time
+
+            time.sleep(0.5)
+            third = run_rank(c.addr, join_request("lim-x", 0, 2, m), m)
+            assert third.error is not None
+            assert third.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_cohorts=2" in (third.error.details() or "")
+            big = run_rank(c.addr, join_request("lim-y", 0, 65, m), m)
+            assert big.error is not None
+            assert big.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_world_size=64" in (big.error.details() or "")
+            fill = run_rank(c.addr, join_request("lim-0", 1, 2, m), m)
+            assert fill.verdict is not None  # completes lim-0: joins are still served
+            [f.result(timeout=10) for f in held]
+    finally:
+        c.stop()
+
+
+def test_non_loopback_needs_a_flag_and_warns_without_tls_or_tokens(tmp_path: Path) -> None:
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--listen",
+            "0.0.0.0:0",
+            "--history",
+            "off",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert refused.returncode == 2
+    assert "not a loopback address; pass --allow-remote" in refused.stderr
+    with coordinator_process("--allow-remote", tmp=tmp_path, listen="0.0.0.0:0") as (_, log):
+        text = log.read_text()
+    assert "serving a non-loopback address without TLS and tokens" in text
