@@ -42,6 +42,10 @@ class JoinOptions:
     timeout_s: float = float(os.environ.get("COHORTGATE_TIMEOUT") or 900.0)
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
+    # A restarted rank can arrive before the coordinator has noticed its dead predecessor
+    # (it drops a dead rank within its grace, 15 s by default): ALREADY_EXISTS is retried
+    # this long before it is taken for what it then is, two live processes on one rank.
+    held_retry_s: float = 20.0
 
 
 def _say(message: str) -> None:
@@ -92,7 +96,8 @@ def join(
         runtime=runtime,
         init_method=init_method,
     )
-    give_up_at = time.monotonic() + opts.timeout_s
+    started = time.monotonic()
+    give_up_at = started + opts.timeout_s
     delay = opts.backoff_initial_s
     last_error = ""
     security = ClientSecurity.from_env()
@@ -124,7 +129,10 @@ def join(
                 if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                     last_error = f"{code.name}: {details}"
                     continue
-                if code not in RETRYABLE:
+                held = code is grpc.StatusCode.ALREADY_EXISTS
+                if held and time.monotonic() - started < opts.held_retry_s:
+                    last_error = f"{code.name}: {details}"
+                elif code not in RETRYABLE:
                     raise CohortgateError(
                         f"the cohortgate coordinator at {identity.addr} refused the join of "
                         f"rank {identity.rank}: {code.name}: {details}",

@@ -14,14 +14,13 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.auth import Auth, TokenStore
 from coordinator.config import ServeConfig
 from coordinator.history import History
 from coordinator.http import MetricsServer
 from coordinator.observers import Observer
 from coordinator.service import Coordinator
-from coordinator.servicer import CohortServicer, StatusServicer
+from coordinator.servicer import CohortServicer, StatusServicer, add_service
 
 log = structlog.get_logger("cohortgate")
 
@@ -89,8 +88,8 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ]
     )
-    pb_grpc.add_CohortServiceServicer_to_server(CohortServicer(coordinator, auth, limits), server)
-    pb_grpc.add_StatusServiceServicer_to_server(StatusServicer(coordinator, auth), server)
+    add_service(server, "CohortService", CohortServicer(coordinator, auth, limits))
+    add_service(server, "StatusService", StatusServicer(coordinator, auth))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

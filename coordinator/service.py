@@ -83,7 +83,15 @@ class Coordinator:
         self._watchers: list[tuple[set[tuple[str, int]], asyncio.Event]] = []
 
     # -- joining -----------------------------------------------------------------------
-    async def join(self, intent: JoinIntent) -> AsyncIterator[JoinEvent]:
+    async def join(
+        self,
+        intent: JoinIntent,
+        alive: Callable[[], bool] = lambda: True,
+        on_gone: Callable[[Callable[[], None]], None] | None = None,
+    ) -> AsyncIterator[JoinEvent]:
+        """Join and wait. `alive` says whether the caller's call is still open, and `on_gone`
+        registers a callback for when it closes: a cancelled call must free its rank even
+        when the cancellation overtook the join itself."""
         if self._closing:
             raise Unavailable("the coordinator is shutting down; retry against its successor")
         history = self.observer.history
@@ -109,6 +117,8 @@ class Coordinator:
         else:
             self.observer.joined(result.opened)
         poke = self._pokes[key] = asyncio.Event()
+        if on_gone is not None:
+            on_gone(poke.set)
         log.debug(
             "rank joined",
             job=cohort.job_id,
@@ -116,9 +126,6 @@ class Coordinator:
             rank=member.rank,
             host=member.host,
             signature=member.signature.hex()[:12],
-        )
-        self._schedule(
-            cohort, "deadline", cohort.state.first_join_at + self.options.join_deadline_s
         )
         self.evaluate(cohort)
         self._changed(cohort)
@@ -134,6 +141,8 @@ class Coordinator:
                         f"rank {member.rank} incarnation {member.incarnation} joined again on "
                         "another call; this call is superseded"
                     )
+                if not alive():
+                    return  # the call is gone: `finally` frees the rank
                 if self._closing:
                     raise Unavailable(
                         "the coordinator is shutting down; the agent will re-join its successor"
@@ -228,6 +237,14 @@ class Coordinator:
         if decision is None:
             return
         if cohort.verdict is None:
+            # The next moment the decision can change by itself: the join deadline, or the
+            # manifest timeout. A timer may fire a hair early (loop clock vs wall clock); it
+            # is then simply set again, so a waiting cohort always has its wake-up pending.
+            state = cohort.state
+            if not state.complete:
+                self._schedule(
+                    cohort, "deadline", state.first_join_at + self.options.join_deadline_s
+                )
             if decision.reason != cohort.last_reason:
                 cohort.last_reason = decision.reason
                 log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
@@ -261,12 +278,17 @@ class Coordinator:
             event.set()
 
     def _schedule(self, cohort: Cohort, label: str, at: float) -> None:
-        """Re-evaluate the cohort at wall time `at`, once per (cohort, label)."""
+        """Re-evaluate the cohort at wall time `at`; one pending timer per (cohort, label)."""
         key = (cohort.job_id, cohort.round, label)
         if key in self._timers:
             return
-        delay = max(at - self.clock(), 0.0) + 0.01
-        self._timers[key] = asyncio.get_running_loop().call_later(delay, self.evaluate, cohort)
+        delay = max(at - self.clock(), 0.0) + 0.05
+
+        def fire() -> None:
+            self._timers.pop(key, None)
+            self.evaluate(cohort)
+
+        self._timers[key] = asyncio.get_running_loop().call_later(delay, fire)
 
     # -- status --------------------------------------------------------------------------
     def cohorts(self, job_id: str = "") -> list[Cohort]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
@@ -120,7 +122,12 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             try:
                 self.auth.check_job(_metadata(context), request.job_id)
                 intent = wire.join_intent(request, self.limits)
-                async for event in self.coordinator.join(intent):
+                events = self.coordinator.join(
+                    intent,
+                    alive=lambda: not context.done(),
+                    on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
+                )
+                async for event in events:
                     yield _event(event)
             except CohortgateError as exc:
                 await _abort(self.coordinator, context, "Join", exc)
@@ -223,3 +230,59 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
             await _abort(self.coordinator, context, "GetVerdict", exc)
             raise AssertionError("unreachable") from exc
         return wire.record_to_pb(row)
+
+
+class Malformed:
+    """What a request that is not valid protobuf deserialises to (instead of raising)."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {type_name}: {error}"
+
+
+def _safe_deserializer(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Malformed(cls.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def add_service(server: grpc.aio.Server, service_name: str, servicer: Any) -> None:
+    """Register `servicer` for a cohortgate.v1 service with deserialisers that never raise:
+    bytes that are not a protobuf message get INVALID_ARGUMENT, not grpc's INTERNAL."""
+    descriptor = pb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for method in descriptor.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        behavior = getattr(servicer, method.name)
+        if method.server_streaming:
+
+            async def stream(request: Any, context: Any, behavior: Any = behavior) -> Any:
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for item in behavior(request, context):
+                    yield item
+
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=_safe_deserializer(request_cls),
+                response_serializer=response_cls.SerializeToString,
+            )
+        else:
+
+            async def unary(request: Any, context: Any, behavior: Any = behavior) -> Any:
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await behavior(request, context)
+
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=_safe_deserializer(request_cls),
+                response_serializer=response_cls.SerializeToString,
+            )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)
+    )
