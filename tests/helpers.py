@@ -215,3 +215,32 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
     else:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def agent_rank(
+    addr: str, job: str, rank: int, world: int, m: Manifest, timeout_s: float = 60
+) -> pb.Verdict:
+    """One rank through the agent's real join client (retries, backoff), without torch."""
+    from agent.client import JoinOptions, join
+    from agent.torchrun import RankIdentity
+
+    identity = RankIdentity(
+        job_id=job,
+        rank=rank,
+        world_size=world,
+        local_rank=rank % 8,
+        host=f"node{rank // 8}",
+        pid=1000 + rank,
+        incarnation=f"{job}-{rank}",
+        restart_count=0,
+        addr=addr,
+        error_file=None,
+        endpoint_host="127.0.0.1",
+    )
+    return join(
+        identity,
+        m,
+        init_method="tcp://127.0.0.1:29500" if rank == 0 else "",
+        runtime=pb.RuntimeFacts(),
+        options=JoinOptions(timeout_s=timeout_s, backoff_max_s=0.5),
+    )

@@ -30,6 +30,7 @@ from coordinator.metrics import Metrics
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
+    agent_rank,
     coordinator_process,
     join_request,
     kill_group,
@@ -419,8 +420,6 @@ def test_sigterm_ends_waiting_joins_with_unavailable(tmp_path: Path) -> None:
 
 
 def test_agents_retry_against_a_restarted_coordinator(tmp_path: Path) -> None:
-    from agent.client import JoinOptions, join
-    from agent.torchrun import RankIdentity
     from coordinator.api.v1 import cohort_pb2 as pb
 
     port = free_port()
@@ -428,26 +427,7 @@ def test_agents_retry_against_a_restarted_coordinator(tmp_path: Path) -> None:
     m = manifest_of()
 
     def rank(r: int) -> pb.Verdict:
-        identity = RankIdentity(
-            job_id="restarted",
-            rank=r,
-            world_size=2,
-            local_rank=r,
-            host="h",
-            pid=1,
-            incarnation=f"inc-{r}",
-            restart_count=0,
-            addr=listen,
-            error_file=None,
-            endpoint_host="127.0.0.1",
-        )
-        return join(
-            identity,
-            m,
-            init_method="tcp://127.0.0.1:1" if r == 0 else "",
-            runtime=pb.RuntimeFacts(),
-            options=JoinOptions(timeout_s=60, backoff_max_s=0.5),
-        )
+        return agent_rank(listen, "restarted", r, 2, m)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         with coordinator_process(tmp=tmp_path, listen=listen) as (_, log):

@@ -23,6 +23,7 @@ from coordinator.manifest import Manifest
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
+    agent_rank,
     coordinator_process,
     join_request,
     kill_group,
@@ -50,32 +51,6 @@ def serving_pid(log: Path) -> int:
         if event.get("event") == "serving":
             return int(event["pid"])
     raise AssertionError("no 'serving' line in the coordinator log")
-
-
-def agent_rank(addr: str, job: str, rank: int, world: int, m: Manifest) -> pb.Verdict:
-    from agent.client import JoinOptions, join
-    from agent.torchrun import RankIdentity
-
-    identity = RankIdentity(
-        job_id=job,
-        rank=rank,
-        world_size=world,
-        local_rank=rank % 8,
-        host=f"node{rank // 8}",
-        pid=1000 + rank,
-        incarnation=f"{job}-{rank}",
-        restart_count=0,
-        addr=addr,
-        error_file=None,
-        endpoint_host="127.0.0.1",
-    )
-    return join(
-        identity,
-        m,
-        init_method="tcp://127.0.0.1:29500" if rank == 0 else "",
-        runtime=pb.RuntimeFacts(),
-        options=JoinOptions(timeout_s=60, backoff_max_s=0.5),
-    )
 
 
 @pytest.mark.timeout(120)

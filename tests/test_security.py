@@ -13,7 +13,13 @@ import pytest
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.channel import ClientSecurity
-from tests.helpers import InProcessCoordinator, coordinator_process, join_request, manifest_of
+from tests.helpers import (
+    InProcessCoordinator,
+    agent_rank,
+    coordinator_process,
+    join_request,
+    manifest_of,
+)
 
 TOKEN_A = "token-for-job-a-0123456789"
 TOKEN_B = "token-for-job-b-0123456789"
@@ -231,9 +237,6 @@ def test_mutual_tls_refuses_clients_without_a_certificate(pki: Path) -> None:
 
 
 def test_agent_uses_token_and_tls_from_its_environment(pki: Path, tmp_path: Path) -> None:
-    from agent.client import JoinOptions, join
-    from agent.torchrun import RankIdentity
-
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{TOKEN_A} job-a\n")
     c = InProcessCoordinator(
@@ -245,26 +248,7 @@ def test_agent_uses_token_and_tls_from_its_environment(pki: Path, tmp_path: Path
 
     os.environ.update(env)
     try:
-        identity = RankIdentity(
-            job_id="job-a",
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            host="h",
-            pid=1,
-            incarnation="i",
-            restart_count=0,
-            addr=c.addr,
-            error_file=None,
-            endpoint_host="127.0.0.1",
-        )
-        verdict = join(
-            identity,
-            manifest_of(),
-            init_method="tcp://127.0.0.1:1",
-            runtime=pb.RuntimeFacts(),
-            options=JoinOptions(timeout_s=20),
-        )
+        verdict = agent_rank(c.addr, "job-a", 0, 1, manifest_of(), timeout_s=20)
         assert verdict.outcome == pb.Verdict.OUTCOME_FORMED
     finally:
         for k, v in saved.items():
