@@ -11,3 +11,9 @@ PYTHON = sys.executable
 
 # Tests start subprocesses that import the project from the checkout.
 os.environ.setdefault("PYTHONPATH", str(REPO))
+
+# In-process coordinators log through structlog; keep only warnings in the test output
+# (tests that read logs run the coordinator as a subprocess with JSON logs).
+from coordinator import logs  # noqa: E402
+
+logs.configure("console", "warning")
