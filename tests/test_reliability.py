@@ -332,3 +332,15 @@ def test_chaos_200_rounds_of_32_ranks(tmp_path: Path) -> None:
     warm, end = samples[2], samples[-1]
     print(f"coordinator RSS KiB by 20 rounds: {samples}; ranks killed: {killed}")
     assert end - warm < 8 * 1024, f"RSS grew {end - warm} KiB from round 60 to 200"
+
+
+def test_an_agent_that_never_reaches_the_coordinator_names_its_address() -> None:
+    from agent.client import CohortgateError
+
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens here
+    started = time.monotonic()
+    with pytest.raises(CohortgateError) as err:
+        agent_rank(addr, "lonely", 0, 1, manifest_of(), timeout_s=2)
+    assert f"no verdict from the cohortgate coordinator at {addr} within 2s" in str(err.value)
+    assert "COHORTGATE_ADDR" in str(err.value)
+    assert time.monotonic() - started < 10
