@@ -1,0 +1,83 @@
+"""Shard coverage on boxes and flat ranges: in bounds, disjoint, and adding up to the whole."""
+
+from __future__ import annotations
+
+from coordinator.coverage import PAIRWISE_CAP, Piece, check, check_flat
+
+
+def kinds(problems: list) -> list[str]:  # type: ignore[type-arg]
+    return [p.kind for p in problems]
+
+
+def test_column_parallel_split_tiles() -> None:
+    pieces = [Piece(r, (r * 8, 0), (8, 16)) for r in range(4)]
+    assert check("fc1.weight", (32, 16), pieces) == []
+
+
+def test_two_dimensional_grid_tiles() -> None:
+    pieces = [Piece(2 * i + j, (i * 5, j * 3), (5, 3)) for i in range(2) for j in range(2)]
+    assert check("w", (10, 6), pieces) == []
+
+
+def test_seed_counterexample_counts_match_but_two_pieces_write_one_place() -> None:
+    # Two 2-element pieces both write [0:2] of a 4-element shard; [2:4] is never written.
+    problems = check_flat("shard", 4, [(0, 0, 2), (1, 0, 2)])
+    assert kinds(problems) == ["overlap", "uncovered"]
+    assert problems[0].ranks == (0, 1)
+    assert "[0:2] is held twice" in problems[0].detail
+    assert "[2:4] is held by no rank" in problems[1].detail
+
+
+def test_overlap_names_the_range_and_the_ranks() -> None:
+    pieces = [Piece(0, (0, 0), (20, 16)), Piece(1, (16, 0), (16, 16))]
+    (problem,) = check("layers.0.fc1.weight", (32, 16), pieces)
+    assert problem.kind == "overlap"
+    assert "[16:20, 0:16] is held twice" in problem.detail
+    assert problem.ranks == (0, 1)
+
+
+def test_gap_names_the_uncovered_range() -> None:
+    pieces = [Piece(0, (0, 0), (8, 16)), Piece(1, (12, 0), (20, 16))]
+    (problem,) = check("w", (32, 16), pieces)
+    assert problem.kind == "uncovered"
+    assert "[8:12, 0:16] is held by no rank" in problem.detail
+
+
+def test_tail_never_written_is_uncovered() -> None:
+    (problem,) = check_flat("flat", 10, [(0, 0, 4), (1, 4, 4)])
+    assert problem.kind == "uncovered"
+    assert "[8:10]" in problem.detail
+
+
+def test_out_of_bounds_and_wrong_rank_of_shape() -> None:
+    assert kinds(check("w", (8,), [Piece(0, (4,), (8,))])) == ["out_of_bounds"]
+    assert kinds(check("w", (8,), [Piece(0, (-1,), (4,))])) == ["out_of_bounds"]
+    assert kinds(check("w", (8, 2), [Piece(0, (0,), (8,))])) == ["shape"]
+
+
+def test_identical_pieces_are_an_overlap() -> None:
+    assert kinds(check("b", (4,), [Piece(0, (0,), (4,)), Piece(1, (0,), (4,))])) == ["overlap"]
+
+
+def test_staggered_bricks_fall_back_to_pairwise_and_pass() -> None:
+    # Not a grid: rows split at different columns.
+    pieces = [
+        Piece(0, (0, 0), (1, 3)),
+        Piece(1, (0, 3), (1, 1)),
+        Piece(2, (1, 0), (1, 1)),
+        Piece(3, (1, 1), (1, 3)),
+    ]
+    assert check("bricks", (2, 4), pieces) == []
+    overlapping = [*pieces[:3], Piece(3, (0, 2), (2, 2))]
+    assert "overlap" in kinds(check("bricks", (2, 4), overlapping))
+
+
+def test_irregular_layout_past_the_cap_is_unverifiable() -> None:
+    n = PAIRWISE_CAP + 10
+    pieces = [Piece(i, (i, 0), (2, 1)) for i in range(n)]  # each overlaps its neighbour
+    assert kinds(check("big", (n + 1, 1), pieces)) == ["unverifiable"]
+
+
+def test_million_flat_pieces_tile() -> None:
+    ranges = [(i % 64, i * 3, 3) for i in range(200_000)]
+    assert check_flat("big", 600_000, ranges) == []
