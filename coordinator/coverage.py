@@ -10,6 +10,7 @@ not a grid falls back to a pairwise check, capped.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -220,7 +221,7 @@ def _tile(
     intervals = sorted(slabs)
     problems: list[CoverageProblem] = []
     # Slabs along `dim` must not overlap one another...
-    for (start_a, len_a), (start_b, len_b) in zip(intervals, intervals[1:], strict=False):
+    for (start_a, len_a), (start_b, _) in itertools.pairwise(intervals):
         if start_b < start_a + len_a:
             if len(slabs) > PAIRWISE_CAP:
                 return [_unverifiable(tensor, pieces)]
