@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from coordinator.diff import ManifestDiff, diff
+from coordinator.layout import Layout, LayoutBuilder, config_fingerprint, layout
 from coordinator.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
@@ -18,12 +19,16 @@ __all__ = [
     "CohortgateError",
     "Entry",
     "Kind",
+    "Layout",
+    "LayoutBuilder",
     "Manifest",
     "ManifestDiff",
     "ManifestError",
+    "config_fingerprint",
     "diff",
     "init_process_group",
     "join",
+    "layout",
     "manifest",
 ]
 

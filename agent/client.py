@@ -18,6 +18,7 @@ from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.channel import ClientSecurity
+from coordinator.layout import Layout
 from coordinator.manifest import Manifest
 
 logger = logging.getLogger("cohortgate.agent")
@@ -79,6 +80,7 @@ def join(
     runtime: pb.RuntimeFacts,
     options: JoinOptions | None = None,
     on_progress: Callable[[pb.Progress], None] | None = None,
+    layout: Layout | None = None,
 ) -> pb.Verdict:
     """Join the cohort and block until its verdict (FORMED or REFUSED)."""
     opts = options or JoinOptions()
@@ -96,6 +98,8 @@ def join(
         runtime=runtime,
         init_method=init_method,
     )
+    if layout is not None:
+        request.layout.CopyFrom(wire.layout_to_pb(layout))
     started = time.monotonic()
     give_up_at = started + opts.timeout_s
     delay = opts.backoff_initial_s

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 from agent.client import CohortgateError, JoinOptions
 from agent.client import join as client_join
 from agent.torchrun import RankIdentity, free_port, write_error_file
+from coordinator.layout import Layout, LayoutBuilder
 
 if TYPE_CHECKING:
     import torch
@@ -74,11 +75,14 @@ def join(
     job_id: str | None = None,
     addr: str | None = None,
     timeout_s: float | None = None,
+    layout: Layout | LayoutBuilder | None = None,
 ) -> Cohort:
     """Present this rank's model signature and block until the coordinator decides.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_RUN_ID, ...) and
-    COHORTGATE_ADDR. Returns the formed cohort, or prints the refusal report to stderr,
+    COHORTGATE_ADDR. A sharded job passes `layout` (see agent.layout()): the coordinator
+    then checks placement, shard coverage and one signature per replica group instead of
+    one signature for all ranks. Returns the formed cohort, or prints the refusal report to stderr,
     writes it to TORCHELASTIC_ERROR_FILE and raises CohortRefused.
     """
     from agent.client import runtime_facts
@@ -96,6 +100,7 @@ def join(
             init_method=init_method,
             runtime=runtime_facts(_device_type(model)),
             options=options,
+            layout=layout.build() if isinstance(layout, LayoutBuilder) else layout,
         )
     except CohortgateError as exc:
         write_error_file(identity.error_file, f"CohortgateError: {exc}", str(exc))
@@ -120,7 +125,9 @@ def init_process_group(model: torch.nn.Module, backend: str | None = None, **kwa
     """join(), then torch.distributed.init_process_group on the cohort's endpoint."""
     import torch.distributed as dist
 
-    join_kwargs = {k: kwargs.pop(k) for k in ("job_id", "addr", "timeout_s") if k in kwargs}
+    join_kwargs = {
+        k: kwargs.pop(k) for k in ("job_id", "addr", "timeout_s", "layout") if k in kwargs
+    }
     cohort = join(model, **join_kwargs)
     dist.init_process_group(
         backend=backend,

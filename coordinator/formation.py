@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator import ranges
+from coordinator.layered import (
+    OFF,
+    STRICT,
+    WARN,
+    Finding,
+    Policies,
+    layout_findings,
+    runtime_findings,
+)
+from coordinator.layout import AXES, Layout
 from coordinator.manifest import Manifest
 
 
@@ -18,6 +28,7 @@ class FormationOptions:
     # Once every rank has joined, how long to wait for the manifests that explain a
     # mismatch before refusing without them (their uploaders were asked at join time).
     manifest_timeout_s: float = 30.0
+    policies: Policies = field(default_factory=Policies)
 
 
 @dataclass
@@ -33,6 +44,7 @@ class Member:
     local_rank: int = 0
     init_method: str = ""
     runtime: dict[str, str] = field(default_factory=dict)
+    layout: Layout | None = None
     joined_at: float = 0.0
     last_seen: float = 0.0
 
@@ -107,6 +119,8 @@ class Cause(enum.StrEnum):
     SIGNATURE_MISMATCH = "signature_mismatch"
     DEADLINE = "deadline"
     MANIFEST_INVALID = "manifest_invalid"
+    LAYOUT = "layout"
+    RUNTIME = "runtime"
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,7 @@ class SignatureClass:
     hosts: tuple[str, ...]
     manifest_entries: int
     reference: bool = False
+    group: str = ""  # the replica group ("tp=1 pp=0 ...") under a layout; "" otherwise
 
     @property
     def ranks_text(self) -> str:
@@ -135,17 +150,28 @@ class Decision:
     # Signatures whose manifests the decision still waits for (WAITING only).
     awaiting_manifests: tuple[bytes, ...] = ()
     detail: dict[str, Any] = field(default_factory=dict)
+    findings: tuple[Finding, ...] = ()
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return tuple(f"{f.check}: {f.text}" for f in self.findings if f.level == WARN)
 
 
 def signature_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
     """Every class, reference first (the largest; ties go to the one holding the lowest rank),
     then the others in the order of their lowest rank."""
+    return _classes(cohort, cohort.classes, "")
+
+
+def _classes(
+    cohort: CohortState, classes: dict[bytes, set[int]], group: str
+) -> tuple[SignatureClass, ...]:
     built = []
-    for signature, rank_set in cohort.classes.items():
+    for signature, rank_set in classes.items():
         ranks = tuple(sorted(rank_set))
         hosts = tuple(sorted({cohort.members[r].host for r in ranks}))
         entries = cohort.members[ranks[0]].manifest_entries
-        built.append(SignatureClass(signature, ranks, hosts, entries))
+        built.append(SignatureClass(signature, ranks, hosts, entries, group=group))
     built.sort(key=lambda c: (-len(c.ranks), c.ranks[0]))
     reference = built[0]
     others = sorted(built[1:], key=lambda c: c.ranks[0])
@@ -156,9 +182,27 @@ def signature_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
             reference.hosts,
             reference.manifest_entries,
             reference=True,
+            group=group,
         ),
         *others,
     )
+
+
+def replica_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
+    """Under a layout: the signature classes of each replica group (ranks at one shard
+    position, differing only in dp), for the groups holding more than one signature."""
+    groups: dict[tuple[int, ...], dict[bytes, set[int]]] = {}
+    labels: dict[tuple[int, ...], str] = {}
+    for rank, m in cohort.members.items():
+        assert m.layout is not None
+        key = m.layout.replica_key
+        labels[key] = " ".join(f"{a}={m.layout.position.get(a, 0)}" for a in AXES if a != "dp")
+        groups.setdefault(key, {}).setdefault(m.signature, set()).add(rank)
+    out: list[SignatureClass] = []
+    for key in sorted(groups, key=lambda k: min(r for s in groups[k].values() for r in s)):
+        if len(groups[key]) > 1:
+            out += _classes(cohort, groups[key], labels[key])
+    return tuple(out)
 
 
 def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decision:
@@ -199,14 +243,89 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
             classes=classes,
             awaiting_manifests=awaiting,
         )
+    levels = options.policies.for_job(cohort.job_id)
+    findings = runtime_findings(cohort.members, levels)
+    layouts = {r: m.layout for r, m in cohort.members.items() if m.layout is not None}
+    if layouts:
+        return _layered(cohort, layouts, levels, findings, awaiting)
+    if levels["model"] != STRICT and len(classes) > 1:
+        if levels["model"] == WARN:
+            findings.append(Finding("model", WARN, f"{len(classes)} different signatures"))
+        classes = classes[:1]
     if len(classes) == 1:
         unverified = ", manifest not verified" if awaiting else ""
+        strict = [f for f in findings if f.level == STRICT]
+        if strict:
+            return _refuse_runtime(n, strict, findings)
         return Decision(
-            Outcome.FORMED, f"[{n}/{n} ranks joined, 1 signature{unverified}]", classes=classes
+            Outcome.FORMED,
+            f"[{n}/{n} ranks joined, 1 signature{unverified}]",
+            classes=classes,
+            findings=tuple(findings),
         )
     return Decision(
         Outcome.REFUSED,
         f"[{n}/{n} ranks joined, {signatures}]",
         cause=Cause.SIGNATURE_MISMATCH,
         classes=classes,
+        findings=tuple(findings),
+    )
+
+
+def _refuse_runtime(n: int, strict: list[Finding], findings: list[Finding]) -> Decision:
+    return Decision(
+        Outcome.REFUSED,
+        f"[{n}/{n} ranks joined; runtimes disagree: {', '.join(f.check for f in strict)}]",
+        cause=Cause.RUNTIME,
+        findings=tuple(findings),
+    )
+
+
+def _layered(
+    cohort: CohortState,
+    layouts: dict[int, Layout],
+    levels: dict[str, str],
+    findings: list[Finding],
+    awaiting: tuple[bytes, ...],
+) -> Decision:
+    """A sharded cohort: placement and coverage first, then one signature per replica group."""
+    n = cohort.world_size
+    findings += layout_findings(cohort.members, layouts, n, levels)
+    strict = [f for f in findings if f.level == STRICT and not f.check.startswith("runtime")]
+    placed = len(layouts) == n and not any(
+        f.check == "layout" and f.level == STRICT for f in findings
+    )
+    classes = replica_classes(cohort) if placed else ()
+    if classes and levels["model"] != OFF:
+        if levels["model"] == STRICT:
+            strict.append(
+                Finding(
+                    "model",
+                    STRICT,
+                    f"{len({c.group for c in classes})} replica group(s) hold differing signatures",
+                    tuple(r for c in classes for r in c.ranks),
+                )
+            )
+        else:
+            findings.append(Finding("model", WARN, "replica groups hold differing signatures"))
+            classes = ()
+    if strict:
+        checks = sorted({f.check for f in strict})
+        cause = Cause.SIGNATURE_MISMATCH if checks == ["model"] and classes else Cause.LAYOUT
+        return Decision(
+            Outcome.REFUSED,
+            f"[{len(cohort.members)}/{n} ranks joined; layered identity: {', '.join(checks)}]",
+            cause=cause,
+            classes=classes,
+            findings=tuple(findings + [f for f in strict if f not in findings]),
+        )
+    runtime_strict = [f for f in findings if f.level == STRICT]
+    if runtime_strict:
+        return _refuse_runtime(n, runtime_strict, findings)
+    unverified = ", manifest not verified" if awaiting else ""
+    return Decision(
+        Outcome.FORMED,
+        f"[{n}/{n} ranks joined, {len(cohort.classes)} signature(s) across "
+        f"{len({lay.replica_key for lay in layouts.values()})} replica groups{unverified}]",
+        findings=tuple(findings),
     )

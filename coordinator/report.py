@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from coordinator import ranges
 from coordinator.diff import ManifestDiff, diff
 from coordinator.formation import Cause, CohortState, Decision, Outcome, SignatureClass
+from coordinator.layered import Finding
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
 HOST_CAP = 8
@@ -25,8 +26,9 @@ class Verdict:
     init_method: str = ""
     cause: Cause | None = None
     classes: tuple[SignatureClass, ...] = ()
-    # signature -> diff against the reference class; None where no manifest was obtained.
-    diffs: dict[bytes, ManifestDiff | None] = field(default_factory=dict)
+    # (group, signature) -> diff against its group's reference; None without a manifest.
+    diffs: dict[tuple[str, bytes], ManifestDiff | None] = field(default_factory=dict)
+    findings: tuple[Finding, ...] = ()
     missing_ranks: tuple[int, ...] = ()
     present_ranks: tuple[int, ...] = ()
     report: str = ""
@@ -57,28 +59,54 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
 
+DiffKey = tuple[str, bytes]  # (replica group, signature)
+
+
+def _class_lines(
+    classes: tuple[SignatureClass, ...], diffs: dict[DiffKey, ManifestDiff | None]
+) -> list[str]:
+    lines = []
+    for c in classes:
+        if c.reference:
+            if c.group:
+                lines.append(f"replica group {c.group} (ranks that must be identical):")
+            lines.append(_class_line(c, "reference"))
+            continue
+        lines.append(_class_line(c, "differs:  "))
+        d = diffs.get((c.group, c.signature))
+        if d is None:
+            lines.append("    (no manifest of this class reached the coordinator: no diff)")
+        else:
+            lines.append(_indent(d.render()))
+    return lines
+
+
 def render_mismatch(
     job_id: str,
     round_: int,
     world_size: int,
     classes: tuple[SignatureClass, ...],
-    diffs: dict[bytes, ManifestDiff | None],
+    diffs: dict[DiffKey, ManifestDiff | None],
+    findings: tuple[Finding, ...] = (),
+    cause: Cause | None = Cause.SIGNATURE_MISMATCH,
 ) -> str:
-    lines = [
-        f"cohortgate refused to form job '{job_id}' round {round_}: all {world_size} ranks "
-        f"joined, but with {len(classes)} different model signatures.",
-        _class_line(classes[0], "reference"),
-    ]
-    for c in classes[1:]:
-        lines.append(_class_line(c, "differs:  "))
-        d = diffs.get(c.signature)
-        if d is None:
-            lines.append("    (no manifest of this class reached the coordinator: no diff)")
-        else:
-            lines.append(_indent(d.render()))
+    if cause is Cause.SIGNATURE_MISMATCH and not any(c.group for c in classes):
+        head = (
+            f"all {world_size} ranks joined, but with "
+            f"{sum(1 for c in classes if not c.group)} different model signatures."
+        )
+    elif cause is Cause.RUNTIME:
+        head = f"all {world_size} ranks joined, but their runtimes disagree."
+    else:
+        head = f"all {world_size} ranks joined, but their layered identities disagree."
+    lines = [f"cohortgate refused to form job '{job_id}' round {round_}: {head}"]
+    for f in sorted(findings, key=lambda f: f.level != "strict"):
+        lines.append(f"{f.level} {f.check}: {f.text}")
+    lines += _class_lines(classes, diffs)
     lines.append(
-        "What to do: every rank must build the same model (same code, config and dtype). "
-        "Fix the ranks listed under 'differs' and relaunch."
+        "What to do: every rank must build the same model (same code, config and dtype) "
+        "and, when sharded, declare its true position and pieces. Fix the ranks named above "
+        "and relaunch."
     )
     return "\n".join(lines)
 
@@ -119,6 +147,7 @@ def build_verdict(
         decided_at=now,
         cause=decision.cause,
         classes=decision.classes,
+        findings=decision.findings,
     )
     if decision.outcome is Outcome.FORMED:
         rank0 = cohort.members.get(0)
@@ -149,12 +178,23 @@ def build_verdict(
             "a rank that changes its model after signing must sign again."
         )
         return replace(base, report=report)
-    reference = cohort.manifests.get(decision.classes[0].signature)
-    diffs: dict[bytes, ManifestDiff | None] = {}
-    for c in decision.classes[1:]:
+    diffs: dict[DiffKey, ManifestDiff | None] = {}
+    reference = None
+    for c in decision.classes:
+        if c.reference:
+            reference = cohort.manifests.get(c.signature)
+            continue
         other = cohort.manifests.get(c.signature)
-        diffs[c.signature] = None if reference is None or other is None else diff(reference, other)
+        diffs[(c.group, c.signature)] = (
+            None if reference is None or other is None else diff(reference, other)
+        )
     report = render_mismatch(
-        cohort.job_id, cohort.round, cohort.world_size, decision.classes, diffs
+        cohort.job_id,
+        cohort.round,
+        cohort.world_size,
+        decision.classes,
+        diffs,
+        decision.findings,
+        decision.cause,
     )
     return replace(base, diffs=diffs, report=report)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from coordinator import ranges
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.diff import LIST_CAP, Change, ManifestDiff, OrderChange
@@ -9,6 +11,7 @@ from coordinator.diff import FirstDifference as DomainFirstDifference
 from coordinator.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from coordinator.formation import Cause, Member, Outcome
 from coordinator.history import VerdictRow
+from coordinator.layout import AXES, Layout, ShardPiece
 from coordinator.limits import Limits
 from coordinator.manifest import MANIFEST_FORMAT_VERSION, Entry, Kind, Manifest, ManifestError
 from coordinator.report import Verdict
@@ -32,6 +35,8 @@ _CAUSE_TO_PB = {
     Cause.SIGNATURE_MISMATCH: pb.Refusal.CAUSE_SIGNATURE_MISMATCH,
     Cause.DEADLINE: pb.Refusal.CAUSE_DEADLINE,
     Cause.MANIFEST_INVALID: pb.Refusal.CAUSE_MANIFEST_INVALID,
+    Cause.LAYOUT: pb.Refusal.CAUSE_LAYOUT,
+    Cause.RUNTIME: pb.Refusal.CAUSE_RUNTIME,
 }
 
 
@@ -81,6 +86,7 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         "device_type": _text(req.runtime.device_type, "runtime.device_type"),
         "device_name": _text(req.runtime.device_name, "runtime.device_name"),
     }
+    layout = layout_from_pb(req.layout, limits) if req.HasField("layout") else None
     member = Member(
         rank=req.rank,
         host=_text(req.host, "host", required=True),
@@ -91,8 +97,75 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         local_rank=req.local_rank,
         init_method=init_method,
         runtime=runtime,
+        layout=layout,
     )
     return JoinIntent(job_id=job_id, round=req.round, member=member, world_size=req.world_size)
+
+
+# -- layouts --------------------------------------------------------------------------
+MAX_PIECES = 100_000
+
+
+def _dims(values: Sequence[int], what: str) -> tuple[int, ...]:
+    if len(values) > MAX_DIMS:
+        raise LimitExceeded(f"{what} has {len(values)} dimensions; the limit is {MAX_DIMS}")
+    return tuple(values)
+
+
+def layout_from_pb(msg: pb.Layout, limits: Limits = DEFAULT_LIMITS) -> Layout:
+    if len(msg.pieces) > MAX_PIECES:
+        raise LimitExceeded(
+            f"the layout declares {len(msg.pieces)} pieces; the limit is {MAX_PIECES} per rank"
+        )
+    for name, table in (("sizes", msg.sizes), ("position", msg.position)):
+        unknown = sorted(set(table) - set(AXES))
+        if unknown:
+            raise InvalidArgument(
+                f"layout {name} names unknown axes {unknown[:5]}; use {', '.join(AXES)}"
+            )
+    if any(v == 0 or v > limits.max_world_size for v in msg.sizes.values()):
+        raise InvalidArgument(
+            f"layout sizes {dict(msg.sizes)} must each be between 1 and {limits.max_world_size}"
+        )
+    pieces = []
+    for i, p in enumerate(msg.pieces):
+        what = f"layout piece {i} ('{p.tensor[:80]}')"
+        _text(p.tensor, f"{what} tensor", MAX_NAME, required=True)
+        shape = _dims(p.shape, what)
+        offset, length = _dims(p.offset, what), _dims(p.length, what)
+        if any(s < 0 for s in shape):
+            raise InvalidArgument(f"{what} has a negative logical shape {list(shape)}")
+        pieces.append(ShardPiece(p.tensor, shape, offset, length, p.replicated))
+    return Layout(
+        sizes={a: int(msg.sizes.get(a, 1)) for a in AXES},
+        position={a: int(msg.position.get(a, 0)) for a in AXES},
+        config=_text(msg.config, "layout config"),
+        dtype=_text(msg.dtype, "layout dtype"),
+        quantization=_text(msg.quantization, "layout quantization"),
+        pieces=tuple(pieces),
+        format=msg.format,
+    )
+
+
+def layout_to_pb(lay: Layout) -> pb.Layout:
+    return pb.Layout(
+        format=lay.format,
+        sizes=lay.sizes,
+        position=lay.position,
+        config=lay.config,
+        dtype=lay.dtype,
+        quantization=lay.quantization,
+        pieces=[
+            pb.ShardPiece(
+                tensor=p.tensor,
+                shape=p.shape,
+                offset=p.offset,
+                length=p.length,
+                replicated=p.replicated,
+            )
+            for p in lay.pieces
+        ],
+    )
 
 
 # -- manifests ------------------------------------------------------------------------
@@ -300,6 +373,7 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
         init_method=v.init_method,
         reason=v.reason,
         decided_at_unix=v.decided_at,
+        warnings=[f"{f.check}: {f.text}" for f in v.findings if f.level == "warn"],
     )
     if v.outcome is Outcome.REFUSED and v.cause is not None:
         msg.refusal.cause = _CAUSE_TO_PB[v.cause]
@@ -314,6 +388,11 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
                 reference=c.reference,
                 manifest_entries=c.manifest_entries,
             )
+            cls.group = c.group
             if not c.reference:
-                cls.diff.CopyFrom(diff_to_pb(v.diffs.get(c.signature)))
+                cls.diff.CopyFrom(diff_to_pb(v.diffs.get((c.group, c.signature))))
+        for f in v.findings:
+            msg.refusal.findings.add(
+                check=f.check, level=f.level, text=f.text, ranks=ranges.compress_capped(f.ranks)
+            )
     return msg

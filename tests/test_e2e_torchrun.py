@@ -169,3 +169,69 @@ def test_cohortgate_run_is_the_one_command_way_in(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert "[cohortgate] coordinator 127.0.0.1:" in out
     assert out.count("all_reduce sum 3, trained 2 steps") == 2
+
+
+PARALLEL = REPO / "examples" / "train_parallel.py"
+
+
+def torchrun8(addr: str, job: str, *args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "COHORTGATE_ADDR": addr,
+        "COHORTGATE_JOB": job,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "8",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        str(PARALLEL),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=tmp,
+    )
+    try:
+        out, _ = proc.communicate(timeout=170)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+@pytest.mark.timeout(600)
+def test_tp2_pp2_dp2_forms_then_wrong_width_and_duplicate_position_are_refused(
+    tmp_path: Path,
+) -> None:
+    with coordinator_process("--join-deadline", "120", tmp=tmp_path) as (addr, _):
+        formed = torchrun8(addr, "mesh-ok", tmp=tmp_path)
+        assert formed.returncode == 0, formed.stdout
+        assert formed.stdout.count("formed mesh-ok/1/") == 8
+        assert "all_reduce 8" in formed.stdout
+
+        wide = torchrun8(addr, "mesh-wide", "--wrong-width-rank", "3", tmp=tmp_path)
+        assert wide.returncode != 0
+        # rank 3 is tp=1 pp=0 dp=1: its fc1 slice [32:72] runs past the 64 rows
+        assert (
+            "replica dp=1: 'layers.0.fc1.weight': out of bounds: piece [32:72, 0:16] on rank 3"
+            in wide.stdout
+        )
+        assert "replica group tp=1 cp=0 ep=0 pp=0" in wide.stdout
+
+        dup = torchrun8(addr, "mesh-dup", "--duplicate-rank", "5", tmp=tmp_path)
+        assert dup.returncode != 0
+        assert "position tp=0 cp=0 ep=0 dp=0 pp=1 is held by ranks 4-5" in dup.stdout

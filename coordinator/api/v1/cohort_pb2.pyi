@@ -94,6 +94,7 @@ class JoinRequest(_message.Message):
     MANIFEST_ENTRIES_FIELD_NUMBER: _builtins.int
     RUNTIME_FIELD_NUMBER: _builtins.int
     INIT_METHOD_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -113,6 +114,10 @@ class JoinRequest(_message.Message):
     """rank 0 only: the rendezvous endpoint it offers"""
     @_builtins.property
     def runtime(self) -> Global___RuntimeFacts: ...
+    @_builtins.property
+    def layout(self) -> Global___Layout:
+        """sharded jobs: this rank's place in the mesh and its pieces"""
+
     def __init__(
         self,
         *,
@@ -129,14 +134,141 @@ class JoinRequest(_message.Message):
         manifest_entries: _builtins.int = ...,
         runtime: Global___RuntimeFacts | None = ...,
         init_method: _builtins.str = ...,
+        layout: Global___Layout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["runtime", b"runtime"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class Layout(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SizesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class PositionEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    FORMAT_FIELD_NUMBER: _builtins.int
+    SIZES_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    PIECES_FIELD_NUMBER: _builtins.int
+    format: _builtins.int
+    config: _builtins.str
+    """fingerprint of the model config"""
+    dtype: _builtins.str
+    quantization: _builtins.str
+    @_builtins.property
+    def sizes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """tp, cp, ep, dp, pp"""
+
+    @_builtins.property
+    def position(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """this rank's coordinate on each axis"""
+
+    @_builtins.property
+    def pieces(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardPiece]: ...
+    def __init__(
+        self,
+        *,
+        format: _builtins.int = ...,
+        sizes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        position: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        config: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        quantization: _builtins.str = ...,
+        pieces: _abc.Iterable[Global___ShardPiece] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "dtype", b"dtype", "format", b"format", "pieces", b"pieces", "position", b"position", "quantization", b"quantization", "sizes", b"sizes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Layout: _TypeAlias = Layout  # noqa: Y015
+
+@_typing.final
+class ShardPiece(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENSOR_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
+    tensor: _builtins.str
+    replicated: _builtins.bool
+    """held identically by several ranks of one replica"""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the logical tensor's shape"""
+
+    @_builtins.property
+    def offset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """where this rank's box starts, per dimension"""
+
+    @_builtins.property
+    def length(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """its extent, per dimension"""
+
+    def __init__(
+        self,
+        *,
+        tensor: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        offset: _abc.Iterable[_builtins.int] | None = ...,
+        length: _abc.Iterable[_builtins.int] | None = ...,
+        replicated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset", "replicated", b"replicated", "shape", b"shape", "tensor", b"tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardPiece: _TypeAlias = ShardPiece  # noqa: Y015
 
 @_typing.final
 class JoinEvent(_message.Message):
@@ -412,6 +544,7 @@ class Verdict(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     REFUSAL_FIELD_NUMBER: _builtins.int
     DECIDED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
     outcome: Global___Verdict.Outcome.ValueType
     job_id: _builtins.str
     round: _builtins.int
@@ -426,6 +559,10 @@ class Verdict(_message.Message):
     def refusal(self) -> Global___Refusal:
         """REFUSED only"""
 
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """checks under the warn policy that found a difference"""
+
     def __init__(
         self,
         *,
@@ -438,10 +575,11 @@ class Verdict(_message.Message):
         reason: _builtins.str = ...,
         refusal: Global___Refusal | None = ...,
         decided_at_unix: _builtins.float = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["refusal", b"refusal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "decided_at_unix", b"decided_at_unix", "init_method", b"init_method", "job_id", b"job_id", "outcome", b"outcome", "reason", b"reason", "refusal", b"refusal", "round", b"round", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "decided_at_unix", b"decided_at_unix", "init_method", b"init_method", "job_id", b"job_id", "outcome", b"outcome", "reason", b"reason", "refusal", b"refusal", "round", b"round", "warnings", b"warnings", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -462,6 +600,10 @@ class Refusal(_message.Message):
         CAUSE_DEADLINE: Refusal._Cause.ValueType  # 2
         CAUSE_MANIFEST_INVALID: Refusal._Cause.ValueType  # 3
         """an uploaded manifest did not hash to its signature"""
+        CAUSE_LAYOUT: Refusal._Cause.ValueType  # 4
+        """global fingerprint, placement or shard coverage"""
+        CAUSE_RUNTIME: Refusal._Cause.ValueType  # 5
+        """torch / CUDA / NCCL / device disagreement"""
 
     class Cause(_Cause, metaclass=_CauseEnumTypeWrapper): ...
     CAUSE_UNSPECIFIED: Refusal.Cause.ValueType  # 0
@@ -469,12 +611,17 @@ class Refusal(_message.Message):
     CAUSE_DEADLINE: Refusal.Cause.ValueType  # 2
     CAUSE_MANIFEST_INVALID: Refusal.Cause.ValueType  # 3
     """an uploaded manifest did not hash to its signature"""
+    CAUSE_LAYOUT: Refusal.Cause.ValueType  # 4
+    """global fingerprint, placement or shard coverage"""
+    CAUSE_RUNTIME: Refusal.Cause.ValueType  # 5
+    """torch / CUDA / NCCL / device disagreement"""
 
     CAUSE_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int
     CLASSES_FIELD_NUMBER: _builtins.int
     MISSING_RANKS_FIELD_NUMBER: _builtins.int
     PRESENT_RANKS_FIELD_NUMBER: _builtins.int
+    FINDINGS_FIELD_NUMBER: _builtins.int
     cause: Global___Refusal.Cause.ValueType
     report: _builtins.str
     """the readable rendering, identical for every rank"""
@@ -483,6 +630,8 @@ class Refusal(_message.Message):
     present_ranks: _builtins.str
     @_builtins.property
     def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SignatureClass]: ...
+    @_builtins.property
+    def findings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Finding]: ...
     def __init__(
         self,
         *,
@@ -491,14 +640,45 @@ class Refusal(_message.Message):
         classes: _abc.Iterable[Global___SignatureClass] | None = ...,
         missing_ranks: _builtins.str = ...,
         present_ranks: _builtins.str = ...,
+        findings: _abc.Iterable[Global___Finding] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "classes", b"classes", "missing_ranks", b"missing_ranks", "present_ranks", b"present_ranks", "report", b"report"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "classes", b"classes", "findings", b"findings", "missing_ranks", b"missing_ranks", "present_ranks", b"present_ranks", "report", b"report"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Refusal: _TypeAlias = Refusal  # noqa: Y015
+
+@_typing.final
+class Finding(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECK_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    check: _builtins.str
+    """model, layout, coverage, runtime.nccl, ..."""
+    level: _builtins.str
+    """strict or warn"""
+    text: _builtins.str
+    ranks: _builtins.str
+    def __init__(
+        self,
+        *,
+        check: _builtins.str = ...,
+        level: _builtins.str = ...,
+        text: _builtins.str = ...,
+        ranks: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "level", b"level", "ranks", b"ranks", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Finding: _TypeAlias = Finding  # noqa: Y015
 
 @_typing.final
 class SignatureClass(_message.Message):
@@ -509,12 +689,16 @@ class SignatureClass(_message.Message):
     HOSTS_FIELD_NUMBER: _builtins.int
     REFERENCE_FIELD_NUMBER: _builtins.int
     MANIFEST_ENTRIES_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     DIFF_FIELD_NUMBER: _builtins.int
     signature: _builtins.bytes
     ranks: _builtins.str
     """compressed ranges: "0-5,7,9-15" """
     reference: _builtins.bool
+    """the reference of its replica group"""
     manifest_entries: _builtins.int
+    group: _builtins.str
+    """replica group ("tp=1 pp=0 ..."); empty without a layout"""
     @_builtins.property
     def hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -529,11 +713,12 @@ class SignatureClass(_message.Message):
         hosts: _abc.Iterable[_builtins.str] | None = ...,
         reference: _builtins.bool = ...,
         manifest_entries: _builtins.int = ...,
+        group: _builtins.str = ...,
         diff: Global___ManifestDiff | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["diff", b"diff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["diff", b"diff", "hosts", b"hosts", "manifest_entries", b"manifest_entries", "ranks", b"ranks", "reference", b"reference", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diff", b"diff", "group", b"group", "hosts", b"hosts", "manifest_entries", b"manifest_entries", "ranks", b"ranks", "reference", b"reference", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,170 @@
+"""Parallel layouts (torch-free): sizes, a rank's shard position, and the pieces it holds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYOUT_FORMAT_VERSION = 1
+AXES = ("tp", "cp", "ep", "dp", "pp")
+# Megatron-LM's default rank order: tp varies fastest, then cp, ep, dp, and pp slowest.
+MEGATRON_ORDER = "tp-cp-ep-dp-pp"
+# Keys of a Hugging Face config that say where it came from, not what the model is.
+CONFIG_METADATA_KEYS = frozenset(
+    {"_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset"}
+)
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of a model config (e.g. a Hugging Face config's
+    `to_dict()`), without metadata keys: two ranks with equal fingerprints build one model."""
+    clean = {k: v for k, v in config.items() if k not in CONFIG_METADATA_KEYS}
+    text = json.dumps(clean, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    axes = tuple(a.strip() for a in order.split("-") if a.strip())
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or len(set(axes)) != len(axes):
+        raise ValueError(
+            f"rank order {order!r} must name each of {', '.join(AXES)} at most once, "
+            f"fastest-varying first (e.g. {MEGATRON_ORDER!r})"
+        )
+    return axes + tuple(a for a in AXES if a not in axes)
+
+
+def position_from_rank(
+    rank: int, sizes: Mapping[str, int], order: str = MEGATRON_ORDER
+) -> dict[str, int]:
+    """The shard position of `rank` when ranks are laid out in `order` (first axis fastest)."""
+    position = {}
+    rest = rank
+    for axis in parse_order(order):
+        size = int(sizes.get(axis, 1))
+        rest, position[axis] = divmod(rest, size)
+    if rest:
+        raise ValueError(
+            f"rank {rank} is beyond the mesh {dict(sizes)} ({math.prod(sizes.values())} ranks)"
+        )
+    return position
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of logical tensor `tensor` (of logical `shape`) that this rank holds, as a
+    box; `replicated` pieces are held identically by several ranks of one replica."""
+
+    tensor: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    length: tuple[int, ...]
+    replicated: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a rank declares about its place in a sharded job."""
+
+    sizes: dict[str, int]
+    position: dict[str, int]
+    config: str = ""  # config_fingerprint() of the model config, if the user passed one
+    dtype: str = ""  # e.g. "bfloat16 params, float32 grads"
+    quantization: str = ""
+    pieces: tuple[ShardPiece, ...] = ()
+    format: int = LAYOUT_FORMAT_VERSION
+
+    def size(self, axis: str) -> int:
+        return int(self.sizes.get(axis, 1))
+
+    @property
+    def replica_key(self) -> tuple[int, ...]:
+        """The position without its dp coordinate: ranks sharing it must be identical."""
+        return tuple(self.position.get(a, 0) for a in AXES if a != "dp")
+
+    @property
+    def position_key(self) -> tuple[int, ...]:
+        return tuple(self.position.get(a, 0) for a in AXES)
+
+
+@dataclass
+class LayoutBuilder:
+    """agent-side helper: `layout(tp=2, pp=2, dp=2).shard(...).replicated(...)`."""
+
+    sizes: dict[str, int]
+    position: dict[str, int]
+    config: str = ""
+    dtype: str = ""
+    quantization: str = ""
+    pieces: list[ShardPiece] = field(default_factory=list)
+
+    def shard(
+        self, tensor: str, shape: tuple[int, ...], offset: tuple[int, ...], length: tuple[int, ...]
+    ) -> LayoutBuilder:
+        self.pieces.append(ShardPiece(tensor, tuple(shape), tuple(offset), tuple(length)))
+        return self
+
+    def split(
+        self, tensor: str, shape: tuple[int, ...], dim: int, index: int, parts: int
+    ) -> LayoutBuilder:
+        """Piece `index` of `parts` equal slices of `tensor` along `dim` (TP column/row)."""
+        if shape[dim] % parts:
+            raise ValueError(
+                f"{tensor}: dimension {dim} ({shape[dim]}) is not divisible by {parts}"
+            )
+        step = shape[dim] // parts
+        offset = tuple(index * step if d == dim else 0 for d in range(len(shape)))
+        length = tuple(step if d == dim else s for d, s in enumerate(shape))
+        return self.shard(tensor, shape, offset, length)
+
+    def replicated(self, tensor: str, shape: tuple[int, ...]) -> LayoutBuilder:
+        self.pieces.append(
+            ShardPiece(tensor, tuple(shape), (0,) * len(shape), tuple(shape), replicated=True)
+        )
+        return self
+
+    def flat(
+        self, tensor: str, numel: int, offset: int, length: int, padding: int = 0
+    ) -> LayoutBuilder:
+        """An FSDP-style flat shard of a flattened tensor of `numel` elements plus `padding`."""
+        self.pieces.append(ShardPiece(tensor, (numel + padding,), (offset,), (length,)))
+        return self
+
+    def build(self) -> Layout:
+        return Layout(
+            dict(self.sizes),
+            dict(self.position),
+            self.config,
+            self.dtype,
+            self.quantization,
+            tuple(self.pieces),
+        )
+
+
+def layout(
+    rank: int,
+    *,
+    order: str = MEGATRON_ORDER,
+    position: Mapping[str, int] | None = None,
+    config: Mapping[str, Any] | None = None,
+    dtype: str = "",
+    quantization: str = "",
+    **sizes: int,
+) -> LayoutBuilder:
+    """Declare a layout: sizes by axis (tp=2, pp=2, dp=2, ...), the position derived from the
+    rank and a named rank order unless given, a config to fingerprint."""
+    unknown = [a for a in sizes if a not in AXES]
+    if unknown:
+        raise ValueError(f"unknown parallel axes {unknown}; use {', '.join(AXES)}")
+    pos = dict(position) if position is not None else position_from_rank(rank, sizes, order)
+    return LayoutBuilder(
+        sizes={a: int(sizes.get(a, 1)) for a in AXES},
+        position={a: int(pos.get(a, 0)) for a in AXES},
+        config=config_fingerprint(config) if config is not None else "",
+        dtype=dtype,
+        quantization=quantization,
+    )
