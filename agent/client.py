@@ -68,7 +68,9 @@ def runtime_facts(device_type: str) -> pb.RuntimeFacts:
     if device_type == "cuda" and torch.cuda.is_available():
         with contextlib.suppress(Exception):  # NCCL absent from this build: leave it empty
             facts.nccl_version = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
-        facts.device_name = torch.cuda.get_device_name(torch.cuda.current_device())
+        device = torch.cuda.current_device()
+        facts.device_name = torch.cuda.get_device_name(device)
+        facts.device_capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
     return facts
 
 

@@ -62,6 +62,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--rank-grace", type=float, help="seconds within which a dead rank is dropped (15)"
     )
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="CHECK=LEVEL, repeatable: model, layout, coverage, runtime.device_type, "
+        "runtime.nccl, runtime.torch, runtime.cuda, runtime.device_name, "
+        "runtime.device_capability; strict (refuse), warn (form and record), off",
+    )
+    p.add_argument(
+        "--job-policy", action="append", help="JOB:CHECK=LEVEL, repeatable: one job's override"
+    )
     p.add_argument("--tokens-file", type=Path, help="per-job bearer tokens: 'TOKEN JOB' lines")
     p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
@@ -74,10 +84,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator import logs, server
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    for name in ("policy", "job_policy"):
+        if flags.get(name):
+            flags[name] = ",".join(flags[name])
     try:
         config = from_env_and_flags(ServeConfig, flags)
         config.check_exposure()
         config.check_tls()
+        config.policies  # noqa: B018 (parsed now so a typo stops the start)
     except (ValidationError, ValueError) as exc:
         print(f"cohortgate serve: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coordinator.formation import FormationOptions
+from coordinator.layered import Policies
 from coordinator.limits import Limits
 
 DEFAULT_PORT = 7070
@@ -77,6 +78,12 @@ class ServeConfig(BaseModel):
     tls_client_ca: Path | None = Field(
         None, description="CA (PEM) that client certificates must chain to: mutual TLS"
     )
+    policy: str = Field(
+        "",
+        description="check levels, 'CHECK=LEVEL,...' (checks: model, layout, coverage, "
+        "runtime.*; levels: strict, warn, off)",
+    )
+    job_policy: str = Field("", description="per-job check levels, 'JOB:CHECK=LEVEL,...'")
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_world_size: int = Field(1 << 20, gt=0)
     max_manifest_entries: int = Field(1_000_000, gt=0)
@@ -136,9 +143,17 @@ class ServeConfig(BaseModel):
         return None if self.history == "off" else str(Path(self.history).expanduser())
 
     @property
+    def policies(self) -> Policies:
+        split = [t for t in self.policy.split(",") if t.strip()]
+        per_job = [t for t in self.job_policy.split(",") if t.strip()]
+        return Policies.parse(split, per_job)
+
+    @property
     def formation(self) -> FormationOptions:
         return FormationOptions(
-            join_deadline_s=self.join_deadline, manifest_timeout_s=self.manifest_timeout
+            join_deadline_s=self.join_deadline,
+            manifest_timeout_s=self.manifest_timeout,
+            policies=self.policies,
         )
 
 

@@ -27,6 +27,7 @@ DEFAULT_POLICY: dict[str, str] = {
     "runtime.torch": WARN,
     "runtime.cuda": WARN,
     "runtime.device_name": WARN,
+    "runtime.device_capability": WARN,
 }
 
 
@@ -99,6 +100,7 @@ RUNTIME_FIELDS: dict[str, tuple[str, Callable[[str], str]]] = {
     "runtime.torch": ("torch_version", str),
     "runtime.cuda": ("cuda_version", str),
     "runtime.device_name": ("device_name", str),
+    "runtime.device_capability": ("device_capability", str),
 }
 
 

@@ -67,6 +67,12 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        self.findings = Counter(
+            "cohortgate_check_findings_total",
+            "Differences found by the layered checks, by check and policy level.",
+            ["check", "level"],
+            registry=r,
+        )
         self.departures = Counter(
             "cohortgate_rank_departures_total",
             "Ranks whose join dropped before the verdict.",

@@ -43,6 +43,8 @@ class Observer:
             m.formation_from_last_join.labels(outcome).observe(
                 max(verdict.decided_at - cohort.state.last_join_at, 0.0)
             )
+        for finding in verdict.findings:
+            m.findings.labels(finding.check, finding.level).inc()
         m.cohorts_waiting.dec()
         m.ranks_waiting.dec(len(cohort.state.members))
         if self.history is not None:

@@ -261,6 +261,7 @@ class Coordinator:
             reason=verdict.reason,
             cohort_id=verdict.cohort_id,
             cause=verdict.cause.value if verdict.cause else None,
+            warnings=[f"{f.check}: {f.text}" for f in verdict.findings if f.level == "warn"],
         )
         for label in ("deadline", "manifests"):
             timer = self._timers.pop((cohort.job_id, cohort.round, label), None)

@@ -85,6 +85,7 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         "nccl_version": _text(req.runtime.nccl_version, "runtime.nccl_version"),
         "device_type": _text(req.runtime.device_type, "runtime.device_type"),
         "device_name": _text(req.runtime.device_name, "runtime.device_name"),
+        "device_capability": _text(req.runtime.device_capability, "runtime.device_capability"),
     }
     layout = layout_from_pb(req.layout, limits) if req.HasField("layout") else None
     member = Member(

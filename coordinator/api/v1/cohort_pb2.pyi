@@ -51,6 +51,7 @@ class RuntimeFacts(_message.Message):
     NCCL_VERSION_FIELD_NUMBER: _builtins.int
     DEVICE_TYPE_FIELD_NUMBER: _builtins.int
     DEVICE_NAME_FIELD_NUMBER: _builtins.int
+    DEVICE_CAPABILITY_FIELD_NUMBER: _builtins.int
     torch_version: _builtins.str
     cuda_version: _builtins.str
     """empty where torch has no CUDA"""
@@ -60,6 +61,8 @@ class RuntimeFacts(_message.Message):
     """"cuda", "cpu", ..."""
     device_name: _builtins.str
     """"NVIDIA H200", ..."""
+    device_capability: _builtins.str
+    """CUDA compute capability, "9.0" """
     def __init__(
         self,
         *,
@@ -68,10 +71,11 @@ class RuntimeFacts(_message.Message):
         nccl_version: _builtins.str = ...,
         device_type: _builtins.str = ...,
         device_name: _builtins.str = ...,
+        device_capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_version", b"cuda_version", "device_name", b"device_name", "device_type", b"device_type", "nccl_version", b"nccl_version", "torch_version", b"torch_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_version", b"cuda_version", "device_capability", b"device_capability", "device_name", b"device_name", "device_type", b"device_type", "nccl_version", b"nccl_version", "torch_version", b"torch_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,174 @@
+"""Layered identity, placement, replica groups, coverage and runtime policies: the pure
+decision with an injected clock, no network."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.formation import Cause, CohortState, FormationOptions, Member, Outcome, decide
+from coordinator.layered import Policies
+from coordinator.layout import (
+    MEGATRON_ORDER,
+    Layout,
+    LayoutBuilder,
+    config_fingerprint,
+    layout,
+    position_from_rank,
+)
+from coordinator.manifest import Entry, Kind, Manifest
+
+
+def manifest(rows: int) -> Manifest:
+    return Manifest.of([Entry(Kind.PARAMETER, "fc1.weight", "float32", (rows, 16), True)])
+
+
+def mesh_layout(rank: int, rows: int = 32, claimed: int | None = None, **overrides: int) -> Layout:
+    sizes = {"tp": 2, "pp": 2, "dp": 2, **overrides}
+    decl: LayoutBuilder = layout(rank if claimed is None else claimed, **sizes)
+    tp, pp = decl.position["tp"], decl.position["pp"]
+    decl.shard(f"layers.{pp}.fc1.weight", (64, 16), (tp * 32, 0), (rows, 16))
+    decl.replicated(f"layers.{pp}.fc2.bias", (16,))
+    return decl.build()
+
+
+def cohort(
+    layouts: dict[int, Layout],
+    sigs: dict[int, Manifest] | None = None,
+    runtime: dict[int, dict[str, str]] | None = None,
+) -> CohortState:
+    state = CohortState("mesh", 1, len(layouts), first_join_at=0.0)
+    for r, lay in layouts.items():
+        m = (sigs or {}).get(r, manifest(lay.pieces[0].length[0] if lay.pieces else 32))
+        state.add(
+            Member(
+                rank=r,
+                host=f"node{r // 4}",
+                pid=r,
+                incarnation=f"i{r}",
+                signature=m.signature(),
+                manifest_entries=len(m),
+                runtime=(runtime or {}).get(r, {"device_type": "cuda", "nccl_version": "2.21.5"}),
+                layout=lay,
+            ),
+            0.0,
+        )
+        state.manifests[m.signature()] = m
+    return state
+
+
+OPTS = FormationOptions(join_deadline_s=60)
+
+
+def test_megatron_order_positions() -> None:
+    sizes = {"tp": 2, "pp": 2, "dp": 2}
+    assert position_from_rank(0, sizes) == {"tp": 0, "cp": 0, "ep": 0, "dp": 0, "pp": 0}
+    assert position_from_rank(3, sizes)["tp"] == 1 and position_from_rank(3, sizes)["dp"] == 1
+    assert position_from_rank(5, sizes, MEGATRON_ORDER)["pp"] == 1
+    assert position_from_rank(5, sizes, "pp-dp-tp") == {"pp": 1, "dp": 0, "tp": 1, "cp": 0, "ep": 0}
+    with pytest.raises(ValueError, match="must name each"):
+        position_from_rank(0, sizes, "tp-tp")
+
+
+def test_config_fingerprint_ignores_metadata() -> None:
+    a = config_fingerprint({"hidden": 64, "_name_or_path": "/ckpt/a", "transformers_version": "4"})
+    assert a == config_fingerprint({"hidden": 64, "_name_or_path": "/other"})
+    assert a != config_fingerprint({"hidden": 65})
+
+
+def test_a_correct_mesh_forms_with_different_signatures_per_position() -> None:
+    d = decide(cohort({r: mesh_layout(r) for r in range(8)}), 1.0, OPTS)
+    assert d.outcome is Outcome.FORMED, d.findings
+    assert "across 4 replica groups" in d.reason
+
+
+def test_wrong_width_is_refused_naming_tensor_range_and_ranks() -> None:
+    layouts = {r: mesh_layout(r, rows=40 if r == 2 else 32) for r in range(8)}
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED and d.cause is Cause.LAYOUT
+    texts = [f.text for f in d.findings if f.check == "coverage"]
+    assert any(
+        "replica dp=1: 'layers.0.fc1.weight': overlap: [32:40, 0:16] is held twice" in t
+        for t in texts
+    ), texts
+    assert {c.group for c in d.classes} == {"tp=0 cp=0 ep=0 pp=0"}
+
+
+def test_duplicate_position_is_refused_by_placement() -> None:
+    layouts = {r: mesh_layout(r, claimed=4 if r == 5 else None) for r in range(8)}
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    texts = [f.text for f in d.findings if f.check == "layout"]
+    assert "position tp=0 cp=0 ep=0 dp=0 pp=1 is held by ranks 4-5" in texts[0]
+
+
+def test_global_fields_listed_by_value_and_ranks() -> None:
+    layouts = {r: mesh_layout(r) for r in range(8)}
+    for r in range(4, 8):
+        layouts[r] = Layout(
+            dict(layouts[r].sizes, tp=4), layouts[r].position, pieces=layouts[r].pieces
+        )
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    assert "tp_size: 2 on ranks 0-3, 4 on ranks 4-7" in [f.text for f in d.findings]
+
+
+def test_mesh_that_does_not_match_the_world_size() -> None:
+    full = {r: mesh_layout(r) for r in range(8)}
+    layouts = {
+        r: Layout(dict(lay.sizes, dp=1), lay.position, pieces=lay.pieces) for r, lay in full.items()
+    }
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert any("has 4 positions but the world size is 8" in f.text for f in d.findings)
+
+
+def test_replicated_pieces_must_agree() -> None:
+    layouts = {r: mesh_layout(r) for r in range(8)}
+    bad = layouts[1]
+    pieces = (bad.pieces[0], bad.pieces[1].__class__("layers.0.fc2.bias", (16,), (0,), (8,), True))
+    layouts[1] = Layout(bad.sizes, bad.position, pieces=pieces)
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert any("replicated pieces disagree" in f.text for f in d.findings), d.findings
+
+
+def test_a_rank_without_a_layout_among_ranks_with_one() -> None:
+    layouts = {r: mesh_layout(r) for r in range(8)}
+    state = cohort(layouts)
+    state.members[7].layout = None
+    d = decide(state, 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    assert "ranks 7 declared no layout" in d.findings[0].text
+
+
+def test_runtime_policies_strict_warn_and_per_job() -> None:
+    runtime = {
+        r: {"device_type": "cuda", "nccl_version": "2.21.5", "torch_version": "2.13.0"}
+        for r in range(8)
+    }
+    runtime[6] = dict(runtime[6], torch_version="2.13.1")
+    d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, OPTS)
+    assert d.outcome is Outcome.FORMED
+    assert d.warnings == ("runtime.torch: torch_version: 2.13.0 on ranks 0-5,7, 2.13.1 on ranks 6",)
+    runtime[6] = dict(runtime[6], nccl_version="2.18.1")
+    d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED and d.cause is Cause.RUNTIME
+    relaxed = FormationOptions(policies=Policies.parse(per_job=["mesh:runtime.nccl=warn"]))
+    d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, relaxed)
+    assert d.outcome is Outcome.FORMED and len(d.warnings) == 2
+
+
+def test_model_policy_warn_forms_and_off_ignores() -> None:
+    layouts = {r: mesh_layout(r) for r in range(8)}
+    sigs = {3: manifest(33)}  # rank 3 differs from rank 1, its replica peer
+    warn = FormationOptions(policies=Policies.parse(["model=warn"]))
+    d = decide(cohort(layouts, sigs), 1.0, warn)
+    assert d.outcome is Outcome.FORMED and any(w.startswith("model:") for w in d.warnings)
+    strict = decide(cohort(layouts, sigs), 1.0, OPTS)
+    assert strict.outcome is Outcome.REFUSED and strict.cause is Cause.SIGNATURE_MISMATCH
+
+
+def test_policy_parsing_names_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="CHECK=LEVEL"):
+        Policies.parse(["coverage=maybe"])
+    with pytest.raises(ValueError, match="JOB:CHECK=LEVEL"):
+        Policies.parse(per_job=["coverage=off"])
+    assert Policies.parse(["coverage=off"]).for_job("x")["coverage"] == "off"
