@@ -204,8 +204,34 @@ def _pos(position: Mapping[str, int]) -> str:
 
 
 def coverage_findings(layouts: Mapping[int, Layout], dp: int, level: str) -> list[Finding]:
-    """Within each replica (one dp index), every logical tensor's pieces must tile it."""
+    """Within each replica (one dp index), every logical tensor's pieces must tile it; and
+    every replica must hold the same logical tensors."""
     out: list[Finding] = []
+    names = {
+        replica: {
+            p.tensor
+            for lay in layouts.values()
+            if lay.position.get("dp", 0) == replica
+            for p in lay.pieces
+        }
+        for replica in range(dp)
+    }
+    everything = set().union(*names.values()) if names else set()
+    for replica, tensor_names in names.items():
+        absent = sorted(everything - tensor_names)
+        if absent:
+            ranks = tuple(r for r, lay in layouts.items() if lay.position.get("dp", 0) == replica)
+            shown = ", ".join(f"'{t}'" for t in absent[:10])
+            more = f" and {len(absent) - 10} more" if len(absent) > 10 else ""
+            out.append(
+                Finding(
+                    "coverage",
+                    level,
+                    f"replica dp={replica} declares no piece of {shown}{more}, which other "
+                    "replicas hold",
+                    ranks,
+                )
+            )
     for replica in range(dp):
         members = {r: lay for r, lay in layouts.items() if lay.position.get("dp", 0) == replica}
         tensors: dict[str, list[tuple[int, coverage.Piece, tuple[int, ...], bool]]] = {}

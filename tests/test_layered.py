@@ -172,3 +172,15 @@ def test_policy_parsing_names_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="JOB:CHECK=LEVEL"):
         Policies.parse(per_job=["coverage=off"])
     assert Policies.parse(["coverage=off"]).for_job("x")["coverage"] == "off"
+
+
+def test_a_replica_missing_a_tensor_is_named() -> None:
+    layouts = {r: mesh_layout(r) for r in range(8)}
+    for r in (2, 3):  # dp=1, pp=0: drop the fc2 bias
+        lay = layouts[r]
+        layouts[r] = Layout(lay.sizes, lay.position, pieces=lay.pieces[:1])
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    assert any(
+        "replica dp=1 declares no piece of 'layers.0.fc2.bias'" in f.text for f in d.findings
+    ), d.findings
