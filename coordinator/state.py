@@ -288,9 +288,6 @@ class Registry:
             job.incarnations[m.incarnation] = cohort.round
         return decision
 
-    def waiting(self) -> list[Cohort]:
-        return [j.current for j in self.jobs.values() if j.current.verdict is None]
-
     def evict(self, older_than_s: float) -> int:
         """Forget jobs decided longer ago than `older_than_s` (history keeps their verdicts),
         so a coordinator serving job after job holds a bounded number of them."""

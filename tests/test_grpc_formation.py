@@ -285,3 +285,23 @@ def test_manifest_uploader_that_leaves_is_replaced(coord: InProcessCoordinator) 
 
 def _unused(_: Manifest, __: Entry, ___: Kind) -> None:  # keep imports meaningful for types
     return None
+
+
+def test_decided_jobs_leave_memory_but_their_verdicts_replay_from_history() -> None:
+    coord = InProcessCoordinator(job_retention=0.5, progress_interval=0.2)
+    try:
+        m = manifest_of()
+        requests = [join_request("evicted", r, 2, m) for r in range(2)]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = [
+                f.result(timeout=30)
+                for f in [pool.submit(run_rank, coord.addr, q, m) for q in requests]
+            ]
+        give_up = time.monotonic() + 10
+        while coord.call(lambda: "evicted" in coord.running.coordinator.registry.jobs):
+            assert time.monotonic() < give_up, "the decided job never left memory"
+            time.sleep(0.1)
+        again = run_rank(coord.addr, requests[0], m)
+    finally:
+        coord.stop()
+    assert first[0].verdict is not None and again.verdict == first[0].verdict
