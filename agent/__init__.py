@@ -11,6 +11,7 @@ from coordinator.manifest import Entry, Kind, Manifest, ManifestError
 if TYPE_CHECKING:
     from agent.client import CohortgateError
     from agent.cohort import Cohort, CohortRefused, init_process_group, join
+    from agent.dtensor import dtensor_pieces
     from agent.signature import manifest
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ManifestError",
     "config_fingerprint",
     "diff",
+    "dtensor_pieces",
     "init_process_group",
     "join",
     "layout",
@@ -35,6 +37,7 @@ __all__ = [
 # Loaded on first use: importing agent must not pull in torch or grpc.
 _LAZY = {
     "manifest": "agent.signature",
+    "dtensor_pieces": "agent.dtensor",
     "join": "agent.cohort",
     "init_process_group": "agent.cohort",
     "Cohort": "agent.cohort",

@@ -91,6 +91,11 @@ def join(
 
     identity = RankIdentity.from_env(job_id=job_id, addr=addr)
     manifest = build_manifest(model)
+    if isinstance(layout, LayoutBuilder):
+        from agent.dtensor import dtensor_pieces
+
+        declared = {p.tensor for p in layout.pieces}
+        layout.pieces.extend(dtensor_pieces(model, skip=declared))
     init_method = f"tcp://{identity.endpoint_host}:{free_port()}" if identity.rank == 0 else ""
     options = JoinOptions() if timeout_s is None else JoinOptions(timeout_s=timeout_s)
     try:

@@ -161,3 +161,25 @@ def test_every_device_signs_like_the_cpu(device: str) -> None:
         model = TinyTransformer()
     assert next(model.parameters()).device.type == device
     assert agent.manifest(model).signature() == agent.manifest(tiny()).signature()
+
+
+def test_dtensor_parameters_declare_their_pieces() -> None:
+    """On a one-rank gloo mesh (a DTensor needs a process group): the sharded parameter
+    covers the whole tensor from offset 0, the replicated one is declared replicated."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Module()
+        model.w = nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]))
+        model.b = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
+        model.plain = nn.Parameter(torch.zeros(2))
+        pieces = {p.tensor: p for p in agent.dtensor_pieces(model)}
+    finally:
+        dist.destroy_process_group()
+    assert set(pieces) == {"w", "b"}
+    assert (pieces["w"].shape, pieces["w"].offset, pieces["w"].length) == ((8, 4), (0, 0), (8, 4))
+    assert not pieces["w"].replicated and pieces["b"].replicated
