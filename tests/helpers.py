@@ -244,3 +244,12 @@ def agent_rank(
         runtime=pb.RuntimeFacts(),
         options=JoinOptions(timeout_s=timeout_s, backoff_max_s=0.5),
     )
+
+
+def free_port() -> int:
+    """A loopback port free now (for a coordinator that must come back on the same one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

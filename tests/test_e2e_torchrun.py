@@ -19,7 +19,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 TRAIN = REPO / "examples" / "train.py"
 
 
-def torchrun(addr: str, job: str, *script_args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    addr: str,
+    job: str,
+    *script_args: str,
+    tmp: Path,
+    nproc: int = 4,
+    script: Path = TRAIN,
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.update(
         COHORTGATE_ADDR=addr,
@@ -33,14 +40,14 @@ def torchrun(addr: str, job: str, *script_args: str, tmp: Path) -> subprocess.Co
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "4",
+        str(nproc),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
         "0",
         "--monitor-interval",
         "0.2",
-        str(TRAIN),
+        str(script),
         *script_args,
     ]
     proc = subprocess.Popen(
@@ -53,7 +60,7 @@ def torchrun(addr: str, job: str, *script_args: str, tmp: Path) -> subprocess.Co
         cwd=tmp,
     )
     try:
-        out, _ = proc.communicate(timeout=150)
+        out, _ = proc.communicate(timeout=170)
     finally:
         kill_group(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
@@ -175,42 +182,7 @@ PARALLEL = REPO / "examples" / "train_parallel.py"
 
 
 def torchrun8(addr: str, job: str, *args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "COHORTGATE_ADDR": addr,
-        "COHORTGATE_JOB": job,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "8",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        "0",
-        "--monitor-interval",
-        "0.2",
-        str(PARALLEL),
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        cwd=tmp,
-    )
-    try:
-        out, _ = proc.communicate(timeout=170)
-    finally:
-        kill_group(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return torchrun(addr, job, *args, tmp=tmp, nproc=8, script=PARALLEL)
 
 
 @pytest.mark.timeout(600)

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from tests.helpers import (
     InProcessCoordinator,
     agent_rank,
     coordinator_process,
+    free_port,
     join_request,
     kill_group,
     manifest_of,
@@ -52,12 +52,6 @@ def coord() -> Iterator[InProcessCoordinator]:
 def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as reply:
         return str(reply.read().decode())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def hold_partial_cohort(

@@ -25,19 +25,12 @@ from tests.helpers import (
     InProcessCoordinator,
     agent_rank,
     coordinator_process,
+    free_port,
     join_request,
     kill_group,
     manifest_of,
     run_cohort,
 )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serving_pid(log: Path) -> int:
