@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -79,11 +80,27 @@ async def _internal(
     )
 
 
+# Every rank of a cohort receives the same verdict: convert it once, not once per rank
+# (a refused 16k-rank cohort's report and diffs would otherwise be rebuilt 16k times).
+_VERDICT_EVENTS: OrderedDict[str, pb.JoinEvent] = OrderedDict()
+_VERDICT_EVENTS_KEPT = 256
+
+
+def _verdict_event(verdict: Verdict) -> pb.JoinEvent:
+    cached = _VERDICT_EVENTS.get(verdict.cohort_id)
+    if cached is None:
+        cached = pb.JoinEvent(verdict=wire.verdict_to_pb(verdict))
+        _VERDICT_EVENTS[verdict.cohort_id] = cached
+        while len(_VERDICT_EVENTS) > _VERDICT_EVENTS_KEPT:
+            _VERDICT_EVENTS.popitem(last=False)
+    return cached
+
+
 def _event(event: Progress | ManifestAsk | Verdict | StoredVerdict) -> pb.JoinEvent:
     if isinstance(event, StoredVerdict):
         return pb.JoinEvent(verdict=pb.Verdict.FromString(event.data))
     if isinstance(event, Verdict):
-        return pb.JoinEvent(verdict=wire.verdict_to_pb(event))
+        return _verdict_event(event)
     if isinstance(event, ManifestAsk):
         return pb.JoinEvent(
             manifest_request=pb.ManifestRequest(
