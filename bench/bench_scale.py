@@ -29,6 +29,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from coordinator.spawn import spawn
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -147,36 +149,21 @@ def _proc_cpu_rss(pid: int) -> tuple[float, int]:
 
 def run_cohortgate(n: int, procs: int, entries: int, signatures: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "coordinator.cli",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--port-file",
-                str(port_file),
-                "--metrics-listen",
-                "off",
-                "--history",
-                "off",
-                "--log-level",
-                "warning",
-                "--log-format",
-                "json",
-                "--join-deadline",
-                "600",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        flags = [
+            "--metrics-listen",
+            "off",
+            "--history",
+            "off",
+            "--log-level",
+            "warning",
+            "--log-format",
+            "json",
+            "--join-deadline",
+            "600",
+        ]
+        server, port = spawn(Path(tmp) / "port", flags, stdout=subprocess.DEVNULL, new_session=True)
         try:
-            while not (port_file.exists() and port_file.read_text().strip()):
-                time.sleep(0.05)
-            addr = f"127.0.0.1:{port_file.read_text().split()[0]}"
+            addr = f"127.0.0.1:{port}"
             cpu0, _ = _proc_cpu_rss(server.pid)
             ctx = mp.get_context("spawn")
             out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from pydantic import ValidationError
 
 from coordinator import ops_cli
 from coordinator.config import DEFAULT_ADDR, ServeConfig, from_env_and_flags
+from coordinator.spawn import spawn
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -114,18 +114,6 @@ Everything after cohortgate's own options goes to torchrun unchanged.
 """
 
 
-def _wait_for_port(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> int:
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with code {proc.returncode} at start")
-        text = path.read_text().strip() if path.exists() else ""
-        if text:
-            return int(text.split()[0])
-        time.sleep(0.05)
-    raise RuntimeError(f"the coordinator did not start within {timeout:g}s")
-
-
 def cmd_run(argv: Sequence[str]) -> int:
     argv = list(argv)
     coordinator: str | None = None
@@ -151,25 +139,10 @@ def cmd_run(argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="cohortgate-") as tmp:
         try:
             if coordinator is None:
-                port_file = Path(tmp) / "port"
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "coordinator.cli",
-                    "serve",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--port-file",
-                    str(port_file),
-                    "--metrics-listen",
-                    "127.0.0.1:0",
-                    "--log-format",
-                    "console",
-                ]
+                flags = ["--metrics-listen", "127.0.0.1:0", "--log-format", "console"]
                 if deadline is not None:
-                    cmd += ["--join-deadline", deadline]
-                server = subprocess.Popen(cmd, stdout=sys.stderr)
-                port = _wait_for_port(port_file, server, timeout=30.0)
+                    flags += ["--join-deadline", deadline]
+                server, port = spawn(Path(tmp) / "port", flags, stdout=sys.stderr)
                 coordinator = f"127.0.0.1:{port}"
             env["COHORTGATE_ADDR"] = coordinator
             print(

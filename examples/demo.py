@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from coordinator.spawn import spawn
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train.py"
@@ -20,33 +21,18 @@ def banner(text: str) -> None:
 
 
 def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port_file = tmp / "port"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--port-file",
-            str(port_file),
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--history",
-            str(tmp / "history.sqlite"),
-            "--join-deadline",
-            "60",
-            "--log-format",
-            "console",
-        ],
-    )
-    give_up = time.monotonic() + 30
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > give_up:
-            raise SystemExit("the coordinator did not start")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{port_file.read_text().split()[0]}"
+    flags = [
+        "--join-deadline",
+        "60",
+        "--log-format",
+        "console",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--history",
+        str(tmp / "history.sqlite"),
+    ]
+    proc, port = spawn(tmp / "port", flags)
+    return proc, f"127.0.0.1:{port}"
 
 
 def torchrun(addr: str, job: str, *args: str) -> int:
