@@ -130,7 +130,7 @@ class MetricsServer:
         self.coordinator = coordinator
         self.loop = loop
         host, _, port = addr.rpartition(":")
-        handler = _handler(self._snapshot, coordinator, auth or Auth(None))
+        handler = _handler(self._snapshot, self._refresh_gauges, coordinator, auth or Auth(None))
         self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
@@ -143,15 +143,29 @@ class MetricsServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def _snapshot(self) -> dict[str, Any]:
-        async def take() -> dict[str, Any]:
-            return snapshot(self.coordinator)
+    def _on_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the coordinator's event loop (its state belongs to that loop alone)."""
 
-        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=10)
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
+
+    def _snapshot(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._on_loop(lambda: snapshot(self.coordinator))
+        return result
+
+    def _refresh_gauges(self) -> None:
+        # A scrape needs only the gauges derived from the cohorts, not the page's snapshot
+        # (which also reads the history database).
+        self._on_loop(self.coordinator.summaries)
 
 
 def _handler(
-    take: Callable[[], dict[str, Any]], coordinator: Coordinator, auth: Auth
+    take: Callable[[], dict[str, Any]],
+    refresh_gauges: Callable[[], None],
+    coordinator: Coordinator,
+    auth: Auth,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -166,7 +180,7 @@ def _handler(
                     self._send(401, "text/plain", f"{exc}\n".encode())
                     return
             if path == "/metrics":
-                take()  # refreshes the gauges computed from the cohorts
+                refresh_gauges()
                 self._send(
                     200, CONTENT_TYPE_LATEST, generate_latest(coordinator.observer.metrics.registry)
                 )
