@@ -253,3 +253,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def log_events(log: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a coordinator's log (anything else in it is skipped)."""
+    import json
+
+    events = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            events.append(json.loads(line))
+    return events
+
+
+def serving_pid(log: Path) -> int:
+    """The pid the coordinator logged when it started serving."""
+    for event in log_events(log):
+        if event.get("event") == "serving":
+            return int(event["pid"])
+    raise AssertionError("no 'serving' line in the coordinator log")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, coordinator_process, kill_group
+from tests.helpers import REPO, coordinator_process, kill_group, log_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -64,16 +63,6 @@ def torchrun(
     finally:
         kill_group(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-
-
-def log_events(log: Path) -> list[dict[str, object]]:
-    events = []
-    for line in log.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
 
 
 def stamp(event: dict[str, object]) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -34,9 +33,11 @@ from tests.helpers import (
     free_port,
     join_request,
     kill_group,
+    log_events,
     manifest_of,
     run_cohort,
     run_rank,
+    serving_pid,
 )
 
 CLI = [sys.executable, "-m", "coordinator.cli"]
@@ -315,7 +316,7 @@ def test_history_survives_kill_9_and_explain_shows_the_refusal(tmp_path: Path) -
         report = results[0].verdict.refusal.report if results[0].verdict else ""
         assert report
         # kill -9: no graceful shutdown, no flush on exit
-        pid = int(next(e for e in _events(log) if e.get("event") == "serving")["pid"])
+        pid = serving_pid(log)
         os.kill(pid, signal.SIGKILL)
     with coordinator_process(tmp=tmp_path) as (addr, _):
         out = _cli("explain", "hist-job", addr=addr)
@@ -331,14 +332,6 @@ def test_history_survives_kill_9_and_explain_shows_the_refusal(tmp_path: Path) -
         assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
 
-def _events(log: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in log.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
-
-
 def test_logs_are_json_one_line_per_decision_reason_only_on_change(tmp_path: Path) -> None:
     m = manifest_of()
     with coordinator_process(tmp=tmp_path) as (addr, log):
@@ -348,7 +341,7 @@ def test_logs_are_json_one_line_per_decision_reason_only_on_change(tmp_path: Pat
             ]
             [f.result(timeout=30) for f in futures]
         time.sleep(0.2)
-        events = _events(log)
+        events = log_events(log)
     mine = [e for e in events if e.get("job") == "logged"]
     decisions = [e for e in mine if e["event"] in ("cohort formed", "cohort refused")]
     assert len(decisions) == 1
@@ -405,7 +398,7 @@ def test_sigterm_ends_waiting_joins_with_unavailable(tmp_path: Path) -> None:
     ):
         waiting = pool.submit(run_rank, addr, join_request("shut", 0, 2, m), m)
         time.sleep(0.5)
-        pid = int(next(e for e in _events(log) if e.get("event") == "serving")["pid"])
+        pid = serving_pid(log)
         os.kill(pid, signal.SIGTERM)
         result = waiting.result(timeout=30)
     assert result.error is not None
@@ -427,7 +420,7 @@ def test_agents_retry_against_a_restarted_coordinator(tmp_path: Path) -> None:
         with coordinator_process(tmp=tmp_path, listen=listen) as (_, log):
             first = pool.submit(rank, 0)
             time.sleep(0.8)
-            pid = int(next(e for e in _events(log) if e.get("event") == "serving")["pid"])
+            pid = serving_pid(log)
             os.kill(pid, signal.SIGTERM)  # rank 0 is told UNAVAILABLE and starts retrying
             time.sleep(1.0)
         assert not first.done()

@@ -30,20 +30,8 @@ from tests.helpers import (
     kill_group,
     manifest_of,
     run_cohort,
+    serving_pid,
 )
-
-
-def serving_pid(log: Path) -> int:
-    import json
-
-    for line in log.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if event.get("event") == "serving":
-            return int(event["pid"])
-    raise AssertionError("no 'serving' line in the coordinator log")
 
 
 @pytest.mark.timeout(120)
