@@ -99,6 +99,8 @@ def join(
         manifest_entries=len(manifest),
         runtime=runtime,
         init_method=init_method,
+        # Rank 0 reports progress; the others need only the first event and the verdict.
+        quiet=identity.rank != 0 and on_progress is None,
     )
     if layout is not None:
         request.layout.CopyFrom(wire.layout_to_pb(layout))

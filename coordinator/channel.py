@@ -57,9 +57,26 @@ class ClientSecurity:
         return [("authorization", f"Bearer {self.token}")] if self.token else []
 
     def channel(self, addr: str, options: Sequence[tuple[str, int | str]] = ()) -> grpc.Channel:
+        credentials, opts = self._credentials(options)
+        if credentials is None:
+            return grpc.insecure_channel(addr, options=opts)
+        return grpc.secure_channel(addr, credentials, options=opts)
+
+    def aio_channel(
+        self, addr: str, options: Sequence[tuple[str, int | str]] = ()
+    ) -> grpc.aio.Channel:
+        """The same, for asyncio (the relay)."""
+        credentials, opts = self._credentials(options)
+        if credentials is None:
+            return grpc.aio.insecure_channel(addr, options=opts)
+        return grpc.aio.secure_channel(addr, credentials, options=opts)
+
+    def _credentials(
+        self, options: Sequence[tuple[str, int | str]]
+    ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, int | str]]]:
         opts = list(options)
         if not self.tls:
-            return grpc.insecure_channel(addr, options=opts)
+            return None, opts
         if (self.cert is None) != (self.key is None):
             raise ValueError("COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together")
         credentials = grpc.ssl_channel_credentials(
@@ -69,4 +86,4 @@ class ClientSecurity:
         )
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
-        return grpc.secure_channel(addr, credentials, options=opts)
+        return credentials, opts

@@ -80,6 +80,60 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         p.add_argument(f"--max-{limit}", type=int, help=f"limit: max {limit.replace('-', ' ')}")
 
 
+def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "relay",
+        help="run a node's relay: its ranks join here, the relay joins them upstream as one",
+        description="Run a relay on a node. The node's ranks join it (COHORTGATE_ADDR=its "
+        "address); it joins them to the coordinator as one group, so the coordinator holds "
+        "one call per node instead of one per rank. Upstream TLS and token come from "
+        "COHORTGATE_TLS_* / the ranks' own tokens; the relay itself listens on loopback.",
+    )
+    p.add_argument("--upstream", required=True, help="the coordinator, HOST:PORT")
+    p.add_argument(
+        "--listen", default="127.0.0.1:29471", help="HOST:PORT (default 127.0.0.1:29471)"
+    )
+    p.add_argument(
+        "--local-ranks",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", "8")),
+        help="send the group upstream once this many ranks joined (default $LOCAL_WORLD_SIZE or 8)",
+    )
+    p.add_argument(
+        "--window",
+        type=float,
+        default=0.05,
+        help="or this many seconds after the first rank joined (default 0.05)",
+    )
+    p.add_argument("--port-file", type=Path, help="once serving, write the port here")
+    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    from coordinator import logs
+    from coordinator.relay import serve_relay
+
+    if args.local_ranks < 1 or args.window < 0:
+        print("cohortgate relay: --local-ranks must be >= 1 and --window >= 0", file=sys.stderr)
+        return 2
+    logs.configure(args.log_format, args.log_level)
+    try:
+        asyncio.run(
+            serve_relay(
+                args.upstream,
+                args.listen,
+                window_s=args.window,
+                local_ranks=args.local_ranks,
+                port_file=str(args.port_file) if args.port_file else None,
+            )
+        )
+    except OSError as exc:
+        print(f"cohortgate relay: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator import logs, server
 
@@ -105,11 +159,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 RUN_USAGE = """\
-usage: cohortgate run [--coordinator HOST:PORT] [--join-deadline S]
+usage: cohortgate run [--coordinator HOST:PORT] [--no-relay] [--join-deadline S]
                       [torchrun options] script.py [args]
 
 Start a coordinator beside torchrun on this node (or use --coordinator), set COHORTGATE_ADDR
 and COHORTGATE_JOB for the workers, run torchrun, and exit with its exit code.
+With --coordinator (a multi-node job), a relay is started on this node too and the workers
+join through it, so the coordinator holds one call per node; --no-relay joins directly.
 Everything after cohortgate's own options goes to torchrun unchanged.
 """
 
@@ -118,11 +174,15 @@ def cmd_run(argv: Sequence[str]) -> int:
     argv = list(argv)
     coordinator: str | None = None
     deadline: str | None = None
-    while argv and argv[0] in ("--coordinator", "--join-deadline", "-h", "--help"):
+    relay = True
+    while argv and argv[0] in ("--coordinator", "--join-deadline", "--no-relay", "-h", "--help"):
         flag = argv.pop(0)
         if flag in ("-h", "--help"):
             print(RUN_USAGE)
             return 0
+        if flag == "--no-relay":
+            relay = False
+            continue
         if not argv:
             print(f"cohortgate run: {flag} needs a value\n\n{RUN_USAGE}", file=sys.stderr)
             return 2
@@ -136,6 +196,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     env = dict(os.environ)
     env.setdefault("COHORTGATE_JOB", f"run-{uuid.uuid4().hex[:12]}")
     server: subprocess.Popen[bytes] | None = None
+    relay_proc: subprocess.Popen[bytes] | None = None
     with tempfile.TemporaryDirectory(prefix="cohortgate-") as tmp:
         try:
             if coordinator is None:
@@ -144,6 +205,25 @@ def cmd_run(argv: Sequence[str]) -> int:
                     flags += ["--join-deadline", deadline]
                 server, port = spawn(Path(tmp) / "port", flags, stdout=sys.stderr)
                 coordinator = f"127.0.0.1:{port}"
+            elif relay:
+                relay_proc, relay_port = spawn(
+                    Path(tmp) / "relay-port",
+                    [
+                        "--upstream",
+                        coordinator,
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--log-format",
+                        "console",
+                    ],
+                    stdout=sys.stderr,
+                    command="relay",
+                )
+                print(f"[cohortgate] relay 127.0.0.1:{relay_port}", file=sys.stderr, flush=True)
+                coordinator = f"127.0.0.1:{relay_port}"
+                # The relay speaks TLS upstream; the workers reach it on loopback in clear.
+                for name in [k for k in env if k.startswith("COHORTGATE_TLS")]:
+                    del env[name]
             env["COHORTGATE_ADDR"] = coordinator
             print(
                 f"[cohortgate] coordinator {coordinator}, job {env['COHORTGATE_JOB']}",
@@ -162,13 +242,14 @@ def cmd_run(argv: Sequence[str]) -> int:
             print(f"cohortgate run: {exc}", file=sys.stderr)
             return 1
         finally:
-            if server is not None and server.poll() is None:
-                server.send_signal(signal.SIGTERM)
-                try:
-                    server.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
+            for child in (relay_proc, server):
+                if child is not None and child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+                    try:
+                        child.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        child.kill()
+                        child.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
+    _relay_parser(sub)
     ops_cli.add_parsers(sub)
     sub.add_parser(
         "run",
@@ -195,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
+    if args.command == "relay":
+        return cmd_relay(args)
     return int(args.func(args))
 
 

@@ -24,6 +24,9 @@ from coordinator.servicer import CohortServicer, StatusServicer, add_service
 
 log = structlog.get_logger("cohortgate")
 
+# Calls grpc core may hold before the Python server accepts them (see start()).
+PENDING_CALLS = 1 << 20
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
 STATUS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StatusService"].full_name
 
@@ -86,6 +89,13 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             # Agents wait minutes on one call; let their keepalive pings through.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            # A whole job joins at once. grpc core queues calls the Python server has not
+            # picked up yet and, past 1,000 of them (or after some time queued), cancels
+            # the newest; thousands of ranks then never reach the coordinator. Let the
+            # queue hold every rank the limits allow, for as long as a join may wait.
+            ("grpc.server.max_pending_requests", PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
+            ("grpc.server_max_unrequested_time_in_server", 600),
         ]
     )
     add_service(server, "CohortService", CohortServicer(coordinator, auth, limits))

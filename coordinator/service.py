@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from coordinator.state import Cohort, JoinIntent, ManifestMismatch, Registry
 from coordinator.status import CohortSummary, summarize
 
 log = structlog.get_logger("cohortgate")
+_DIGITS = re.compile(r"\d+")
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,13 @@ class ManifestAsk:
     signature: bytes
     job_id: str
     round: int
+    rank: int
 
 
 JoinEvent = Progress | ManifestAsk | Verdict | StoredVerdict
 StreamKey = tuple[str, int, int, str]  # job, round, rank, incarnation
+# Up to this world size every progress event is exact; above, it may be 0.25 s stale.
+PROGRESS_EXACT_UP_TO = 1024
 
 
 class Coordinator:
@@ -92,77 +96,131 @@ class Coordinator:
         """Join and wait. `alive` says whether the caller's call is still open, and `on_gone`
         registers a callback for when it closes: a cancelled call must free its rank even
         when the cancellation overtook the join itself."""
+        async for event in self.join_group([intent], alive, on_gone):
+            yield event
+
+    async def join_group(
+        self,
+        intents: list[JoinIntent],
+        alive: Callable[[], bool] = lambda: True,
+        on_gone: Callable[[Callable[[], None]], None] | None = None,
+    ) -> AsyncIterator[JoinEvent]:
+        """Join several ranks of one job (a relay's node) and wait as one: one wake-up, one
+        progress event and one verdict for all of them. `join` is a group of one."""
         if self._closing:
             raise Unavailable("the coordinator is shutting down; retry against its successor")
+        first = intents[0]
         history = self.observer.history
-        if history is not None and intent.job_id not in self.registry.jobs:
+        if history is not None and first.job_id not in self.registry.jobs:
             # After a restart (or once the job left memory): a rank of a decided cohort that
             # re-joins with its incarnation gets that verdict back, not a new round.
-            stored = history.verdict_of(intent.job_id, intent.member.incarnation)
+            stored = history.verdict_of(first.job_id, first.member.incarnation)
             if stored is not None:
-                log.info("verdict replayed from history", job=intent.job_id)
+                log.info("verdict replayed from history", job=first.job_id)
                 yield StoredVerdict(stored)
                 return
-        result = self.registry.join(intent)
-        cohort, member = result.cohort, result.member
-        if result.replayed:
-            assert cohort.verdict is not None
-            log.info("verdict replayed", job=cohort.job_id, round=cohort.round, rank=member.rank)
-            yield cohort.verdict
-            return
-        key: StreamKey = (cohort.job_id, cohort.round, member.rank, member.incarnation)
-        superseded = self._pokes.get(key)
-        if superseded is not None:
-            superseded.set()
-        else:
-            self.observer.joined(result.opened)
-        poke = self._pokes[key] = asyncio.Event()
+        poke = asyncio.Event()
+        held: list[tuple[StreamKey, Member]] = []
+        cohort: Cohort | None = None
+        try:
+            for intent in intents:
+                result = self.registry.join(intent)
+                if result.replayed:
+                    if held:
+                        raise FailedPrecondition(
+                            f"rank {intent.member.rank} of this group took part in round "
+                            f"{result.cohort.round}, which is decided, while the others "
+                            "join the open round: re-join them separately"
+                        )
+                    assert result.cohort.verdict is not None
+                    log.info(
+                        "verdict replayed",
+                        job=result.cohort.job_id,
+                        round=result.cohort.round,
+                        rank=result.member.rank,
+                    )
+                    yield result.cohort.verdict
+                    return
+                if cohort is not None and result.cohort is not cohort:
+                    raise FailedPrecondition("the members of one group joined different rounds")
+                cohort, member = result.cohort, result.member
+                key: StreamKey = (cohort.job_id, cohort.round, member.rank, member.incarnation)
+                superseded = self._pokes.get(key)
+                if superseded is not None:
+                    superseded.set()
+                else:
+                    self.observer.joined(result.opened)
+                self._pokes[key] = poke
+                held.append((key, member))
+                log.debug(
+                    "rank joined",
+                    job=cohort.job_id,
+                    round=cohort.round,
+                    rank=member.rank,
+                    host=member.host,
+                    signature=member.signature.hex()[:12],
+                )
+        except BaseException:
+            if cohort is not None:
+                self._release(cohort, held, poke)
+            raise
+        assert cohort is not None
         if on_gone is not None:
             on_gone(poke.set)
-        log.debug(
-            "rank joined",
-            job=cohort.job_id,
-            round=cohort.round,
-            rank=member.rank,
-            host=member.host,
-            signature=member.signature.hex()[:12],
-        )
         self.evaluate(cohort)
         self._changed(cohort)
-        told_ask = False
+        told: set[int] = set()
+        quiet = all(i.quiet for i in intents)
+        loop = asyncio.get_running_loop()
         last_progress = float("-inf")
         try:
             while True:
                 if cohort.verdict is not None:
                     yield cohort.verdict
                     return
-                if self._pokes.get(key) is not poke:
+                held = [(k, m) for k, m in held if self._pokes.get(k) is poke]
+                if not held:
+                    ranks = ",".join(str(i.member.rank) for i in intents)
                     raise FailedPrecondition(
-                        f"rank {member.rank} incarnation {member.incarnation} joined again on "
-                        "another call; this call is superseded"
+                        f"rank(s) {ranks} joined again on another call; this call is superseded"
                     )
                 if not alive():
-                    return  # the call is gone: `finally` frees the rank
+                    return  # the call is gone: `finally` frees the ranks
                 if self._closing:
                     raise Unavailable(
                         "the coordinator is shutting down; the agent will re-join its successor"
                     )
-                if not told_ask and cohort.asked.get(member.signature) == (
-                    member.rank,
-                    member.incarnation,
-                ):
-                    told_ask = True
-                    yield ManifestAsk(member.signature, cohort.job_id, cohort.round)
+                for _, m in held:
+                    if m.rank not in told and cohort.asked.get(m.signature) == (
+                        m.rank,
+                        m.incarnation,
+                    ):
+                        told.add(m.rank)
+                        yield ManifestAsk(m.signature, cohort.job_id, cohort.round, m.rank)
                 now = self.clock()
-                if now - last_progress >= self.progress_interval_s:
+                if now - last_progress >= self.progress_interval_s and (
+                    not quiet or last_progress < 0
+                ):
                     last_progress = now
-                    member.last_seen = now
+                    for _, m in held:
+                        m.last_seen = now
                     yield self.progress(cohort)
-                wait = self.progress_interval_s - (self.clock() - last_progress)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(poke.wait(), timeout=max(wait, 0.0))
+                timer = None
+                if not quiet:
+                    # A timer handle, not asyncio.wait_for: that costs a task per wait,
+                    # which at 16k waiting ranks is most of the coordinator's time.
+                    wait = self.progress_interval_s - (self.clock() - last_progress)
+                    timer = loop.call_later(max(wait, 0.0), poke.set)
+                await poke.wait()
+                if timer is not None:
+                    timer.cancel()
                 poke.clear()
         finally:
+            self._release(cohort, held, poke)
+
+    def _release(self, cohort: Cohort, held: list[tuple[StreamKey, Member]], poke: object) -> None:
+        """A call ended: its members still waiting leave (unless another call took them)."""
+        for key, member in held:
             if self._pokes.get(key) is poke:
                 del self._pokes[key]
                 if cohort.verdict is None:
@@ -189,7 +247,12 @@ class Coordinator:
         state = cohort.state
         cache_key = (cohort.job_id, cohort.round)
         cached = self._progress.get(cache_key)
-        if cached is not None and cached[1] == state.version and now - cached[0] < 0.25:
+        if cached is not None and (
+            cached[1] == state.version
+            # A large cohort's missing-rank text is O(world size): rebuilt 4 times a second
+            # at most, or 16k joins would rebuild it 16k times (O(n^2)).
+            or (state.world_size > PROGRESS_EXACT_UP_TO and now - cached[0] < 0.25)
+        ):
             return cached[2]
         missing = ranges.compress_capped(ranges.missing(state.members, state.world_size))
         joined, n = len(state.members), state.world_size
@@ -245,8 +308,11 @@ class Coordinator:
                 self._schedule(
                     cohort, "deadline", state.first_join_at + self.options.join_deadline_s
                 )
-            if decision.reason != cohort.last_reason:
-                cohort.last_reason = decision.reason
+            # Logged when the kind of wait changes, not on every join ("[12/16 ranks
+            # joined]" and "[13/16 ranks joined]" are the same wait).
+            kind = _DIGITS.sub("#", decision.reason)
+            if kind != cohort.last_reason:
+                cohort.last_reason = kind
                 log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
             if decision.awaiting_manifests and cohort.state.complete_at is not None:
                 self._schedule(

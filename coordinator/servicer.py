@@ -104,7 +104,7 @@ def _event(event: Progress | ManifestAsk | Verdict | StoredVerdict) -> pb.JoinEv
     if isinstance(event, ManifestAsk):
         return pb.JoinEvent(
             manifest_request=pb.ManifestRequest(
-                signature=event.signature, job_id=event.job_id, round=event.round
+                signature=event.signature, job_id=event.job_id, round=event.round, rank=event.rank
             )
         )
     return pb.JoinEvent(
@@ -150,6 +150,26 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
                 await _abort(self.coordinator, context, "Join", exc)
             except Exception as exc:
                 await _internal(self.coordinator, context, "Join", exc)
+
+    async def JoinGroup(
+        self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.JoinEvent]:
+        job_id = request.members[0].job_id if request.members else ""
+        with structlog.contextvars.bound_contextvars(job=job_id[:64], group=len(request.members)):
+            try:
+                self.auth.check_job(_metadata(context), job_id)
+                intents = wire.group_intents(request, self.limits)
+                events = self.coordinator.join_group(
+                    intents,
+                    alive=lambda: not context.done(),
+                    on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
+                )
+                async for event in events:
+                    yield _event(event)
+            except CohortgateError as exc:
+                await _abort(self.coordinator, context, "JoinGroup", exc)
+            except Exception as exc:
+                await _internal(self.coordinator, context, "JoinGroup", exc)
 
     async def UploadManifest(
         self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext

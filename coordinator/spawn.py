@@ -17,15 +17,17 @@ def spawn(
     stdout: IO[Any] | int | None = None,
     timeout: float = 30.0,
     new_session: bool = False,
+    command: str = "serve",
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """(the process, its gRPC port). The coordinator writes its ports to `port_file` once it
-    serves; an exit or a silence past `timeout` raises RuntimeError saying which."""
+    """(the process, its gRPC port). The coordinator (or `command="relay"`, a relay) writes
+    its ports to `port_file` once it serves; an exit or a silence past `timeout` raises
+    RuntimeError saying which."""
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "coordinator.cli",
-            "serve",
+            command,
             "--listen",
             "127.0.0.1:0",
             "--port-file",
@@ -39,11 +41,11 @@ def spawn(
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
         if proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with code {proc.returncode} at start")
+            raise RuntimeError(f"cohortgate {command} exited with code {proc.returncode} at start")
         text = port_file.read_text().strip() if port_file.exists() else ""
         if text:
             return proc, int(text.split()[0])
         time.sleep(0.05)
     proc.kill()
     proc.wait()
-    raise RuntimeError(f"the coordinator did not start within {timeout:g}s")
+    raise RuntimeError(f"cohortgate {command} did not start within {timeout:g}s")

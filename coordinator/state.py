@@ -38,6 +38,7 @@ class JoinIntent:
     round: int  # 0: the open round
     member: Member
     world_size: int
+    quiet: bool = False  # only the first progress event (JoinRequest.quiet)
 
 
 @dataclass

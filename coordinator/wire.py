@@ -8,7 +8,12 @@ from coordinator import ranges
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.diff import LIST_CAP, Change, ManifestDiff, OrderChange
 from coordinator.diff import FirstDifference as DomainFirstDifference
-from coordinator.errors import FailedPrecondition, InvalidArgument, LimitExceeded
+from coordinator.errors import (
+    CohortgateError,
+    FailedPrecondition,
+    InvalidArgument,
+    LimitExceeded,
+)
 from coordinator.formation import Cause, Member, Outcome
 from coordinator.history import VerdictRow
 from coordinator.layout import AXES, Layout, ShardPiece
@@ -100,7 +105,48 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         runtime=runtime,
         layout=layout,
     )
-    return JoinIntent(job_id=job_id, round=req.round, member=member, world_size=req.world_size)
+    return JoinIntent(
+        job_id=job_id, round=req.round, member=member, world_size=req.world_size, quiet=req.quiet
+    )
+
+
+# Members of one JoinGroup call: a node's local ranks (8 on a GPU node); room for big hosts.
+MAX_GROUP = 1024
+
+
+def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> list[JoinIntent]:
+    """A relay's group: every member valid, one job and world size, no rank twice."""
+    if not req.members:
+        raise InvalidArgument("the group has no members; a JoinGroup call needs at least one")
+    if len(req.members) > MAX_GROUP:
+        raise LimitExceeded(
+            f"the group has {len(req.members)} members; the limit is {MAX_GROUP} per call"
+        )
+    intents: list[JoinIntent] = []
+    ranks: set[int] = set()
+    for i, member in enumerate(req.members):
+        try:
+            intent = join_intent(member, limits)
+        except CohortgateError as exc:
+            exc.args = (f"members[{i}] (rank {member.rank}): {exc}",)
+            raise
+        first = intents[0] if intents else intent
+        if (intent.job_id, intent.world_size, intent.round) != (
+            first.job_id,
+            first.world_size,
+            first.round,
+        ):
+            raise InvalidArgument(
+                f"members[{i}] (rank {member.rank}) is of job '{intent.job_id}' world size "
+                f"{intent.world_size} round {intent.round}, members[0] of job "
+                f"'{first.job_id}' world size {first.world_size} round {first.round}: one "
+                "group holds ranks of one job and round"
+            )
+        if intent.member.rank in ranks:
+            raise InvalidArgument(f"members[{i}]: rank {member.rank} appears twice in the group")
+        ranks.add(intent.member.rank)
+        intents.append(intent)
+    return intents
 
 
 # -- layouts --------------------------------------------------------------------------

@@ -99,6 +99,7 @@ class JoinRequest(_message.Message):
     RUNTIME_FIELD_NUMBER: _builtins.int
     INIT_METHOD_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    QUIET_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -116,6 +117,11 @@ class JoinRequest(_message.Message):
     manifest_entries: _builtins.int
     init_method: _builtins.str
     """rank 0 only: the rendezvous endpoint it offers"""
+    quiet: _builtins.bool
+    """Only the first progress event (it tells the round), then manifest requests and the
+    verdict. The agent sets it on every rank but rank 0: at 16k ranks, progress to every
+    rank each second is most of the coordinator's work and nobody reads it.
+    """
     @_builtins.property
     def runtime(self) -> Global___RuntimeFacts: ...
     @_builtins.property
@@ -139,14 +145,37 @@ class JoinRequest(_message.Message):
         runtime: Global___RuntimeFacts | None = ...,
         init_method: _builtins.str = ...,
         layout: Global___Layout | None = ...,
+        quiet: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class JoinGroupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoinRequest]:
+        """same job_id and world_size, distinct ranks"""
+
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[Global___JoinRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinGroupRequest: _TypeAlias = JoinGroupRequest  # noqa: Y015
 
 @_typing.final
 class Layout(_message.Message):
@@ -350,20 +379,24 @@ class ManifestRequest(_message.Message):
     SIGNATURE_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
     signature: _builtins.bytes
     job_id: _builtins.str
     round: _builtins.int
     """echo it in UploadManifestRequest"""
+    rank: _builtins.int
+    """the rank asked (names the member in a JoinGroup call)"""
     def __init__(
         self,
         *,
         signature: _builtins.bytes = ...,
         job_id: _builtins.str = ...,
         round: _builtins.int = ...,
+        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "round", b"round", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "rank", b"rank", "round", b"round", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -46,6 +46,11 @@ class CohortServiceStub:
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
                 _registered_method=True)
+        self.JoinGroup = channel.unary_stream(
+                '/cohortgate.v1.CohortService/JoinGroup',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+                _registered_method=True)
 
 
 class CohortServiceServicer:
@@ -67,6 +72,16 @@ class CohortServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinGroup(self, request, context):
+        """A relay's call: the local ranks of one node (one job, one round) joined as a group.
+        The events are Join's, sent once for the whole group: progress, a manifest request
+        naming the member to ask (ManifestRequest.rank), one verdict. The group stands or
+        falls together: when the call ends before the verdict, every member leaves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CohortServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +94,11 @@ def add_CohortServiceServicer_to_server(servicer, server):
                     servicer.UploadManifest,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.SerializeToString,
+            ),
+            'JoinGroup': grpc.unary_stream_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +157,33 @@ class CohortService:
             '/cohortgate.v1.CohortService/UploadManifest',
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.SerializeToString,
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cohortgate.v1.CohortService/JoinGroup',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,12 @@ class CohortServiceStub:
     """Answers a ManifestRequest. The coordinator recomputes the signature from the
     manifest and refuses (INVALID_ARGUMENT) one that does not hash to the claimed value.
     """
+    JoinGroup: _grpc.UnaryStreamMultiCallable[_cohort_pb2.JoinGroupRequest, _cohort_pb2.JoinEvent]
+    """A relay's call: the local ranks of one node (one job, one round) joined as a group.
+    The events are Join's, sent once for the whole group: progress, a manifest request
+    naming the member to ask (ManifestRequest.rank), one verdict. The group stands or
+    falls together: when the call ends before the verdict, every member leaves.
+    """
 
 @_typing.type_check_only
 class CohortServiceAsyncStub(CohortServiceStub):
@@ -52,6 +58,12 @@ class CohortServiceAsyncStub(CohortServiceStub):
     UploadManifest: _aio.UnaryUnaryMultiCallable[_cohort_pb2.UploadManifestRequest, _cohort_pb2.UploadManifestResponse]  # type: ignore[assignment]
     """Answers a ManifestRequest. The coordinator recomputes the signature from the
     manifest and refuses (INVALID_ARGUMENT) one that does not hash to the claimed value.
+    """
+    JoinGroup: _aio.UnaryStreamMultiCallable[_cohort_pb2.JoinGroupRequest, _cohort_pb2.JoinEvent]  # type: ignore[assignment]
+    """A relay's call: the local ranks of one node (one job, one round) joined as a group.
+    The events are Join's, sent once for the whole group: progress, a manifest request
+    naming the member to ask (ManifestRequest.rank), one verdict. The group stands or
+    falls together: when the call ends before the verdict, every member leaves.
     """
 
 class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -74,6 +86,18 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_cohort_pb2.UploadManifestResponse, _abc.Awaitable[_cohort_pb2.UploadManifestResponse]]:
         """Answers a ManifestRequest. The coordinator recomputes the signature from the
         manifest and refuses (INVALID_ARGUMENT) one that does not hash to the claimed value.
+        """
+
+    @_abc_1.abstractmethod
+    def JoinGroup(
+        self,
+        request: _cohort_pb2.JoinGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cohort_pb2.JoinEvent], _abc.AsyncIterator[_cohort_pb2.JoinEvent]]:
+        """A relay's call: the local ranks of one node (one job, one round) joined as a group.
+        The events are Join's, sent once for the whole group: progress, a manifest request
+        naming the member to ask (ManifestRequest.rank), one verdict. The group stands or
+        falls together: when the call ends before the verdict, every member leaves.
         """
 
 def add_CohortServiceServicer_to_server(servicer: CohortServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

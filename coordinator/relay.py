@@ -1,0 +1,274 @@
+"""`cohortgate relay`: one per node. The node's ranks join here, as they would join the
+coordinator (same CohortService); the relay joins them upstream as one JoinGroup call and
+hands every rank the coordinator's events. The coordinator then holds one call, one wake-up
+and one verdict message per node instead of one per rank.
+
+Semantics the ranks see are the coordinator's: the same verdict, progress (the first event
+always, the rest only to ranks that are not quiet), manifest requests to the rank named,
+and the upstream status code when the coordinator refuses the group. A rank that leaves
+before the verdict makes the relay re-join the rest of its group without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.channel import ClientSecurity
+from coordinator.servicer import add_service
+
+log = structlog.get_logger("cohortgate.relay")
+
+GroupKey = tuple[str, int, int, str]  # job, world size, round, authorization
+
+
+@dataclass(frozen=True)
+class _Status:
+    """An upstream error to pass on to a rank as its own call's status."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+_GONE = _Status(grpc.StatusCode.CANCELLED, "the rank's call ended")
+
+
+@dataclass
+class _Rank:
+    request: pb.JoinRequest
+    events: asyncio.Queue[pb.JoinEvent | _Status] = field(default_factory=asyncio.Queue)
+    told: bool = False  # has had its first progress event
+
+
+@dataclass
+class _Group:
+    key: GroupKey
+    metadata: Sequence[tuple[str, str]]
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    timer: asyncio.TimerHandle | None = None
+    call: grpc.aio.UnaryStreamCall | None = None
+    regroup: bool = False  # the upstream call was cancelled because a rank left
+    decided: bool = False
+
+
+class Relay(pb_grpc.CohortServiceServicer):
+    """Batches joins per (job, world size, round, token) for `window_s` after the first, or
+    until `local_ranks` have joined, then joins them upstream as one group."""
+
+    def __init__(
+        self,
+        upstream: str,
+        security: ClientSecurity | None = None,
+        *,
+        window_s: float = 0.05,
+        local_ranks: int = 8,
+    ) -> None:
+        self.upstream = upstream
+        self.channel = (security or ClientSecurity()).aio_channel(upstream)
+        self.stub = pb_grpc.CohortServiceStub(self.channel)
+        self.window_s = window_s
+        self.local_ranks = local_ranks
+        self._pending: dict[GroupKey, _Group] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def Join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.JoinEvent]:
+        auth = [
+            (m.key, str(m.value))
+            for m in context.invocation_metadata() or ()
+            if m.key == "authorization"
+        ]
+        key: GroupKey = (
+            request.job_id,
+            request.world_size,
+            request.round,
+            auth[0][1] if auth else "",
+        )
+        group = self._pending.get(key)
+        if group is not None and request.rank in group.ranks:
+            self._send(group)  # the same rank again (a restarted process): a group of its own
+            group = None
+        if group is None:
+            group = self._pending[key] = _Group(key, auth)
+            group.timer = asyncio.get_running_loop().call_later(self.window_s, self._send, group)
+        rank = group.ranks[request.rank] = _Rank(request)
+        # grpc.aio does not always cancel a handler whose client went away; its context's
+        # done callback always runs.
+        context.add_done_callback(lambda _: rank.events.put_nowait(_GONE))
+        if len(group.ranks) >= self.local_ranks:
+            self._send(group)
+        decided = False
+        try:
+            while True:
+                item = await rank.events.get()
+                if item is _GONE:
+                    return
+                if isinstance(item, _Status):
+                    await context.abort(item.code, item.details)
+                    return
+                yield item
+                if item.WhichOneof("event") == "verdict":
+                    decided = True
+                    return
+        finally:
+            if not decided:
+                self._left(group, request.rank, rank)
+
+    async def UploadManifest(
+        self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UploadManifestResponse:
+        auth = [
+            (m.key, str(m.value))
+            for m in context.invocation_metadata() or ()
+            if m.key == "authorization"
+        ]
+        try:
+            response: pb.UploadManifestResponse = await self.stub.UploadManifest(
+                request, metadata=auth, timeout=context.time_remaining()
+            )
+            return response
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+            raise AssertionError("unreachable") from exc
+
+    async def JoinGroup(
+        self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.JoinEvent]:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "a relay takes ranks' joins, not groups: point relays at the coordinator",
+        )
+        yield pb.JoinEvent()  # pragma: no cover (abort raises)
+
+    # -- groups ------------------------------------------------------------------------
+    def _send(self, group: _Group) -> None:
+        if self._pending.get(group.key) is group:
+            del self._pending[group.key]
+        if group.timer is not None:
+            group.timer.cancel()
+            group.timer = None
+        if group.call is not None or not group.ranks:
+            return
+        task = asyncio.get_running_loop().create_task(self._run(group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _left(self, group: _Group, rank_id: int, rank: _Rank) -> None:
+        if group.ranks.get(rank_id) is not rank:
+            return
+        del group.ranks[rank_id]
+        if group.decided:
+            return
+        if group.call is None:  # not sent yet
+            if not group.ranks:
+                self._send(group)  # nobody left: drops the pending group
+            return
+        group.regroup = True  # the others re-join without it
+        group.call.cancel()
+
+    async def _run(self, group: _Group) -> None:
+        while group.ranks:
+            members = dict(group.ranks)
+            call = group.call = self.stub.JoinGroup(
+                pb.JoinGroupRequest(members=[r.request for r in members.values()]),
+                metadata=group.metadata,
+            )
+            try:
+                async for event in call:
+                    self._dispatch(event, members)
+                    if event.WhichOneof("event") == "verdict":
+                        group.decided = True
+                        return
+                status = _Status(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the coordinator at {self.upstream} ended the group without a verdict",
+                )
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                # Our own cancel (a rank left) ends the iteration with CancelledError.
+                if group.regroup:
+                    group.regroup = False
+                    log.info("rank left; re-joining the rest", job=group.key[0])
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                status = _Status(exc.code(), exc.details() or "")
+            for r in members.values():
+                r.events.put_nowait(status)
+            return
+
+    def _dispatch(self, event: pb.JoinEvent, members: dict[int, _Rank]) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "manifest_request":
+            asked = members.get(event.manifest_request.rank)
+            if asked is not None:
+                asked.events.put_nowait(event)
+            return
+        for r in members.values():
+            if kind == "progress":
+                # A re-join after a rank left must land in the same round.
+                r.request.round = event.progress.round
+                if r.told and r.request.quiet:
+                    continue
+                r.told = True
+            r.events.put_nowait(event)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.channel.close()
+
+
+async def serve_relay(
+    upstream: str,
+    listen: str,
+    *,
+    window_s: float = 0.05,
+    local_ranks: int = 8,
+    port_file: str | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    relay = Relay(upstream, ClientSecurity.from_env(), window_s=window_s, local_ranks=local_ranks)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ]
+    )
+    add_service(server, "CohortService", relay)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind {listen}: is the port in use?")
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    if port_file:
+        with open(port_file, "w") as f:
+            f.write(f"{port}\n0\n")
+    log.info(
+        "relaying",
+        listen=f"{listen.rpartition(':')[0]}:{port}",
+        upstream=upstream,
+        local_ranks=local_ranks,
+        window_s=window_s,
+        pid=os.getpid(),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    await server.stop(2.0)
+    await relay.close()

@@ -1,0 +1,337 @@
+"""Scale paths: a whole job's joins at once, quiet ranks, groups (JoinGroup) and the relay."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator import wire
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.spawn import spawn
+from tests.helpers import (
+    REPO,
+    InProcessCoordinator,
+    coordinator_process,
+    join_request,
+    kill_group,
+    log_events,
+    manifest_of,
+    run_cohort,
+    run_rank,
+)
+
+FORMED = pb.Verdict.OUTCOME_FORMED
+REFUSED = pb.Verdict.OUTCOME_REFUSED
+
+
+@pytest.fixture
+def coord() -> Iterator[InProcessCoordinator]:
+    c = InProcessCoordinator(join_deadline=20.0, progress_interval=0.2)
+    yield c
+    c.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_whole_job_joining_at_once_reaches_the_coordinator(tmp_path: Path) -> None:
+    """4096 joins in one burst. grpc core used to cancel the calls the Python server had not
+    picked up yet (past 1,000 queued): those ranks never joined and the rest hung."""
+    n = 4096
+    m = manifest_of()
+    with coordinator_process("--join-deadline", "120", "--log-level", "warning", tmp=tmp_path) as (
+        addr,
+        _,
+    ):
+
+        async def main() -> tuple[dict[str, int], dict[str, int]]:
+            channels = [
+                grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(16)
+            ]
+            outcomes: dict[str, int] = {}
+            errors: dict[str, int] = {}
+
+            async def rank(r: int) -> None:
+                stub = pb_grpc.CohortServiceStub(channels[r % len(channels)])
+                req = join_request("burst", r, n, m, quiet=r != 0)
+                try:
+                    async for event in stub.Join(req, timeout=150):
+                        kind = event.WhichOneof("event")
+                        if kind == "manifest_request":
+                            await stub.UploadManifest(
+                                pb.UploadManifestRequest(
+                                    job_id="burst",
+                                    round=event.manifest_request.round,
+                                    rank=r,
+                                    incarnation=req.incarnation,
+                                    signature=req.signature,
+                                    manifest=wire.manifest_to_pb(m),
+                                ),
+                                timeout=60,
+                            )
+                        elif kind == "verdict":
+                            name = pb.Verdict.Outcome.Name(event.verdict.outcome)
+                            outcomes[name] = outcomes.get(name, 0) + 1
+                except grpc.aio.AioRpcError as exc:
+                    errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+
+            await asyncio.gather(*(rank(r) for r in range(n)))
+            for c in channels:
+                await c.close()
+            return outcomes, errors
+
+        outcomes, errors = asyncio.run(main())
+    assert errors == {}
+    assert outcomes == {"OUTCOME_FORMED": n}
+
+
+def test_quiet_ranks_get_the_first_progress_event_only(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    with ThreadPoolExecutor(3) as pool:
+        loud = pool.submit(run_rank, coord.addr, join_request("q", 0, 3, m), m)
+        quiet = pool.submit(run_rank, coord.addr, join_request("q", 1, 3, m, quiet=True), m)
+        time.sleep(1.5)  # ~7 progress intervals of 0.2 s
+        last = run_rank(coord.addr, join_request("q", 2, 3, m, quiet=True), m)
+        results = [loud.result(), quiet.result(), last]
+    assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results)
+    assert len(results[0].progress) >= 4
+    assert len(results[1].progress) == 1 and results[1].progress[0].round == 1
+    assert results[2].progress == [], "the rank that completes the cohort gets the verdict"
+
+
+def join_group(
+    addr: str, requests: list[pb.JoinRequest], uploads: dict[int, object] | None = None
+) -> tuple[list[pb.JoinEvent], grpc.RpcError | None]:
+    """One JoinGroup call, answering manifest requests with the named member's manifest."""
+    events: list[pb.JoinEvent] = []
+    by_rank = {r.rank: r for r in requests}
+    with grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        try:
+            for event in stub.JoinGroup(pb.JoinGroupRequest(members=requests), timeout=30):
+                events.append(event)
+                if event.WhichOneof("event") == "manifest_request":
+                    asked = by_rank[event.manifest_request.rank]
+                    stub.UploadManifest(
+                        pb.UploadManifestRequest(
+                            job_id=asked.job_id,
+                            round=event.manifest_request.round,
+                            rank=asked.rank,
+                            incarnation=asked.incarnation,
+                            signature=asked.signature,
+                            manifest=wire.manifest_to_pb((uploads or {})[asked.rank]),  # type: ignore[arg-type]
+                        ),
+                        timeout=30,
+                    )
+        except grpc.RpcError as exc:
+            return events, exc
+    return events, None
+
+
+def test_groups_form_with_one_verdict_per_group(coord: InProcessCoordinator) -> None:
+    m, wide = manifest_of(), manifest_of(width=8)
+    manifests = {r: (wide if r == 6 else m) for r in range(16)}
+    groups = [
+        [join_request("g", r, 16, manifests[r], host=f"node{g}") for r in range(4 * g, 4 * g + 4)]
+        for g in range(4)
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda reqs: join_group(coord.addr, reqs, manifests), groups))
+    verdicts = []
+    for events, error in results:
+        assert error is None, error
+        kinds = [e.WhichOneof("event") for e in events]
+        assert kinds.count("verdict") == 1 and kinds[-1] == "verdict"
+        verdicts.append(events[-1].verdict)
+    assert {v.outcome for v in verdicts} == {REFUSED}
+    assert len({v.SerializeToString() for v in verdicts}) == 1, "one verdict, the same bytes"
+    report = verdicts[0].refusal.report
+    assert "1 rank [6] on 1 host node1" in report, report
+    asked = [
+        e.manifest_request.rank
+        for events, _ in results
+        for e in events
+        if e.WhichOneof("event") == "manifest_request"
+    ]
+    # One manifest per signature, each asked of one member by rank (the first to join it).
+    assert len(asked) == 2 and 6 in asked, asked
+
+
+def test_bad_groups_are_refused_with_invalid_argument(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    cases = {
+        "appears twice": [join_request("b", 1, 4, m), join_request("b", 1, 4, m)],
+        "one group holds ranks of one job": [
+            join_request("b", 1, 4, m),
+            join_request("other", 2, 4, m),
+        ],
+        "rank 7 is outside [0, 4)": [
+            join_request("b", 1, 4, m),
+            join_request("b", 7, 4, m),
+        ],
+        "no members": [],
+    }
+    for text, requests in cases.items():
+        _, error = join_group(coord.addr, requests)
+        assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, text
+        assert text in (error.details() or ""), error.details()
+    # None of them left a member behind: the job's ranks all join afresh and form.
+    results = run_cohort(coord.addr, "b", dict.fromkeys(range(4), m))
+    assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results)
+
+
+def test_a_cancelled_group_frees_its_ranks(coord: InProcessCoordinator) -> None:
+    m = manifest_of()
+    requests = [join_request("c", r, 4, m) for r in range(2)]
+    channel = grpc.insecure_channel(coord.addr)
+    call = pb_grpc.CohortServiceStub(channel).JoinGroup(
+        pb.JoinGroupRequest(members=requests), timeout=30
+    )
+    first = next(e for e in call if e.WhichOneof("event") == "progress")
+    assert first.progress.joined == 2
+    call.cancel()
+    channel.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        held = coord.call(lambda: len(coord.running.coordinator.find("c").state.members))
+        if held == 0:
+            break
+        time.sleep(0.05)
+    assert held == 0
+    results = run_cohort(coord.addr, "c", dict.fromkeys(range(4), m))  # new incarnations
+    assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results)
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+    """A coordinator process and a relay process in front of it: (relay, coordinator, log)."""
+    with coordinator_process(
+        "--join-deadline", "30", "--log-level", "debug", "--progress-interval", "0.2", tmp=tmp_path
+    ) as (addr, log):
+        proc, port = spawn(
+            tmp_path / "relay-port",
+            ["--upstream", addr, "--listen", "127.0.0.1:0", "--local-ranks", "4"],
+            stdout=open(tmp_path / "relay.log", "wb"),  # noqa: SIM115 (closed with the process)
+            new_session=True,
+            command="relay",
+        )
+        try:
+            yield f"127.0.0.1:{port}", addr, log
+        finally:
+            kill_group(proc)
+
+
+def joined_groups(log: Path) -> list[int]:
+    return [int(e["group"]) for e in log_events(log) if e.get("event") == "rank joined"]
+
+
+def test_ranks_through_a_relay_form_as_groups(relay: tuple[str, str, Path]) -> None:
+    relay_addr, _, log = relay
+    m = manifest_of()
+    results = run_cohort(relay_addr, "r", dict.fromkeys(range(8), m))
+    assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results)
+    assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    assert results[0].verdict is not None
+    assert results[0].verdict.init_method == "tcp://127.0.0.1:29999"
+    assert sum(r.manifest_requests for r in results) == 1
+    assert all(r.progress and r.progress[0].round == 1 for r in results)
+    groups = joined_groups(log)
+    assert len(groups) == 8 and max(groups) > 1, f"the coordinator saw groups {groups}"
+
+
+def test_a_refusal_through_a_relay_reaches_every_rank(relay: tuple[str, str, Path]) -> None:
+    relay_addr, _, _ = relay
+    m = manifest_of()
+    manifests = {r: (manifest_of(dtype="bfloat16") if r == 5 else m) for r in range(8)}
+    results = run_cohort(relay_addr, "rr", manifests)
+    assert all(r.verdict is not None and r.verdict.outcome == REFUSED for r in results)
+    reports = {r.verdict.refusal.report for r in results if r.verdict}
+    assert len(reports) == 1
+    report = reports.pop()
+    assert "1 rank [5]" in report and "bfloat16" in report, report
+
+
+def test_upstream_errors_pass_through_the_relay(relay: tuple[str, str, Path]) -> None:
+    relay_addr, _, _ = relay
+    m = manifest_of()
+    result = run_rank(relay_addr, join_request("e", 9, 4, m), m, timeout=10)
+    assert result.error is not None
+    assert result.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rank 9 is outside [0, 4)" in (result.error.details() or "")
+
+
+def test_a_rank_that_leaves_a_relayed_group_can_come_back(relay: tuple[str, str, Path]) -> None:
+    relay_addr, coordinator, _ = relay
+    m = manifest_of()
+    channel = grpc.insecure_channel(relay_addr)
+    gone = pb_grpc.CohortServiceStub(channel).Join(join_request("l", 1, 3, m), timeout=30)
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(run_rank, relay_addr, join_request("l", 0, 3, m), m)
+        time.sleep(0.5)  # both sent upstream as one group
+        # Rank 1 joined first, so it is asked for the manifest; it dies without uploading.
+        assert next(gone).WhichOneof("event") == "manifest_request"
+        gone.cancel()  # the relay re-joins rank 0 alone, and rank 0 is asked instead
+        time.sleep(0.5)
+        rest = [pool.submit(run_rank, relay_addr, join_request("l", r, 3, m), m) for r in (1, 2)]
+        results = [first.result(), *(f.result() for f in rest)]
+    channel.close()
+    for r in results:
+        assert r.error is None, r.error
+        assert r.verdict is not None and r.verdict.outcome == FORMED
+    assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    assert coordinator
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_cohortgate_run_joins_through_a_relay(tmp_path: Path) -> None:
+    with coordinator_process("--join-deadline", "60", "--log-level", "debug", tmp=tmp_path) as (
+        addr,
+        log,
+    ):
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "run",
+                "--coordinator",
+                addr,
+                "--nproc-per-node",
+                "4",
+                "--master-port",
+                "0",
+                str(REPO / "examples" / "train.py"),
+                "--steps",
+                "2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            cwd=tmp_path,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "COHORTGATE_JOB": f"relayed-{uuid.uuid4().hex[:6]}",
+            },
+        )
+        try:
+            out, _ = proc.communicate(timeout=180)
+        finally:
+            kill_group(proc)
+        groups = joined_groups(log)
+    assert proc.returncode == 0, out
+    assert "[cohortgate] relay 127.0.0.1:" in out
+    assert out.count("all_reduce sum 10, trained 2 steps") == 4, out
+    assert len(groups) == 4 and max(groups) > 1, f"the coordinator saw groups {groups}"
