@@ -2,12 +2,19 @@
 
 Reports, per N: first join -> last verdict delivered, last join -> last verdict delivered,
 coordinator CPU seconds and peak RSS, payload bytes on the wire (serialized protobuf, without
-HTTP/2 framing), manifests uploaded; and, by the same harness, torch's TCPStore used as a
-barrier (N clients set their signature and wait; the last to arrive compares). Prints a table
-and writes JSON.
+HTTP/2 framing), manifests uploaded. With --relay K the clients are simulated relays: each
+joins K ranks in one JoinGroup call, as `cohortgate relay` does on a node of K ranks (the
+relay's own fan-out to its K local ranks is not simulated: it runs on the node, in parallel).
 
-Usage: python bench/bench_scale.py [--ranks 256,4096] [--procs 3] [--signatures 1]
-       [--entries 200] [--peers tcpstore] [--repeats 3] [--json PATH]
+Peers, by the same harness in the same run: torch's TCPStore (libuv) used as a barrier (N
+clients set their signature and wait; the last to arrive compares), and torchft's Lighthouse
+forming a quorum of N replicas (needs `pip install --no-deps torchft==0.2.0`; its Rust server
+runs in its own process through torchft's LighthouseServer, because the torchft package
+itself, and so its `torchft_lighthouse` script, needs opentelemetry, which we do not install).
+Prints a table and writes JSON.
+
+Usage: python bench/bench_scale.py [--ranks 256,4096] [--relay 1] [--procs 3]
+       [--signatures 1] [--entries 200] [--peers tcpstore,lighthouse] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +62,8 @@ def manifest_for(entries: int, variant: int) -> Any:
 def _client_proc(
     addr: str,
     job: str,
-    ranks: list[int],
+    groups: list[tuple[int, list[int]]],
+    relay: bool,
     world: int,
     entries: int,
     signatures: int,
@@ -71,14 +80,19 @@ def _client_proc(
     manifests = {v: manifest_for(entries, v) for v in range(signatures)}
 
     async def main() -> dict[str, Any]:
-        channels = [grpc.aio.insecure_channel(addr) for _ in range(max(4, len(ranks) // 64))]
+        # Separate connections (a local subchannel pool each): grpc otherwise shares one TCP
+        # connection among all channels to the same target.
+        channels = [
+            grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(max(4, len(groups) // 64))
+        ]
         stubs = [pb_grpc.CohortServiceStub(c) for c in channels]
-        stats = {"sent": [], "verdict": [], "bytes": 0, "uploads": 0, "outcomes": {}}
+        stats: dict[str, Any] = {"sent": [], "verdict": [], "bytes": 0, "uploads": 0}
+        stats["outcomes"] = {}
 
-        async def rank(r: int) -> None:
+        def request(r: int) -> pb.JoinRequest:
             m = manifests[r % signatures]
-            stub = stubs[r % len(stubs)]
-            req = pb.JoinRequest(
+            return pb.JoinRequest(
                 protocol_version=wire.PROTOCOL_VERSION,
                 job_id=job,
                 rank=r,
@@ -89,18 +103,31 @@ def _client_proc(
                 signature=m.signature(),
                 manifest_entries=len(m),
                 init_method="tcp://127.0.0.1:29500" if r == 0 else "",
+                quiet=r != 0,  # as the agent does
             )
-            stats["bytes"] += req.ByteSize()
+
+        async def member(g: int, ranks: list[int]) -> None:
+            stub = stubs[g % len(stubs)]
+            reqs = {r: request(r) for r in ranks}
+            if len(ranks) == 1 and not relay:
+                call = stub.Join(reqs[ranks[0]], timeout=600)
+                stats["bytes"] += reqs[ranks[0]].ByteSize()
+            else:
+                group = pb.JoinGroupRequest(members=list(reqs.values()))
+                call = stub.JoinGroup(group, timeout=600)
+                stats["bytes"] += group.ByteSize()
             stats["sent"].append(time.time())
-            async for event in stub.Join(req, timeout=300):
+            async for event in call:
                 stats["bytes"] += event.ByteSize()
                 kind = event.WhichOneof("event")
                 if kind == "manifest_request":
+                    r = event.manifest_request.rank
+                    m = manifests[r % signatures]
                     up = pb.UploadManifestRequest(
                         job_id=job,
                         round=event.manifest_request.round,
                         rank=r,
-                        incarnation=req.incarnation,
+                        incarnation=reqs[r].incarnation,
                         signature=m.signature(),
                         manifest=wire.manifest_to_pb(m),
                     )
@@ -110,14 +137,14 @@ def _client_proc(
                 elif kind == "verdict":
                     stats["verdict"].append(time.time())
                     name = pb.Verdict.Outcome.Name(event.verdict.outcome)
-                    stats["outcomes"][name] = stats["outcomes"].get(name, 0) + 1
+                    stats["outcomes"][name] = stats["outcomes"].get(name, 0) + len(ranks)
 
         for c in channels:
             await c.channel_ready()
         ready.put(os.getpid())
         while not go.is_set():  # every process connected before the first join
             await asyncio.sleep(0.001)
-        await asyncio.gather(*(rank(r) for r in ranks))
+        await asyncio.gather(*(member(g, ranks) for g, ranks in groups))
         for c in channels:
             await c.close()
         return stats
@@ -147,7 +174,15 @@ def _proc_cpu_rss(pid: int) -> tuple[float, int]:
     return cpu, hwm
 
 
-def run_cohortgate(n: int, procs: int, entries: int, signatures: int) -> dict[str, Any]:
+def _groups(n: int, size: int, procs: int) -> list[list[tuple[int, list[int]]]]:
+    """Ranks in groups of `size` (consecutive ranks: one node), the groups dealt to procs."""
+    groups = [(g, list(range(s, min(s + size, n)))) for g, s in enumerate(range(0, n, size))]
+    return [groups[i::procs] for i in range(procs)]
+
+
+def run_cohortgate(
+    n: int, procs: int, entries: int, signatures: int, relay: int = 1
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         flags = [
             "--metrics-listen",
@@ -167,13 +202,12 @@ def run_cohortgate(n: int, procs: int, entries: int, signatures: int) -> dict[st
             cpu0, _ = _proc_cpu_rss(server.pid)
             ctx = mp.get_context("spawn")
             out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-            shares = [list(range(i, n, procs)) for i in range(procs)]
             workers = [
                 ctx.Process(
                     target=_client_proc,
-                    args=(addr, f"bench-{n}", s, n, entries, signatures, ready, go, out),
+                    args=(addr, f"bench-{n}", s, relay > 1, n, entries, signatures, ready, go, out),
                 )
-                for s in shares
+                for s in _groups(n, relay, procs)
             ]
             for w in workers:
                 w.start()
@@ -195,7 +229,7 @@ def run_cohortgate(n: int, procs: int, entries: int, signatures: int) -> dict[st
         for k, v in r["outcomes"].items():
             outcomes[k] = outcomes.get(k, 0) + v
     return {
-        "system": "cohortgate",
+        "system": "cohortgate" if relay == 1 else f"cohortgate/relay{relay}",
         "ranks": n,
         "first_join_to_done_s": done - first,
         "last_join_to_done_s": done - last_join,
@@ -218,8 +252,8 @@ def _store_proc(port: int, ranks: list[int], world: int, ready: Any, go: Any, ou
     lock = threading.Lock()
     gate = threading.Event()
 
-    stores = [
-        dist.TCPStore(
+    def connect(_: int) -> Any:
+        return dist.TCPStore(
             "127.0.0.1",
             port,
             world,
@@ -227,8 +261,10 @@ def _store_proc(port: int, ranks: list[int], world: int, ready: Any, go: Any, ou
             timeout=timedelta(seconds=300),
             use_libuv=True,
         )
-        for _ in ranks
-    ]
+
+    # A client takes ~0.2 s to connect here: connected in parallel, before the clock starts.
+    with ThreadPoolExecutor(64) as pool:
+        stores = list(pool.map(connect, ranks))
 
     def rank(r: int, store: Any) -> None:
         gate.wait()
@@ -295,26 +331,146 @@ def run_tcpstore(n: int, procs: int) -> dict[str, Any]:
     }
 
 
+# -- torchft Lighthouse -----------------------------------------------------------------------
+def _torchft() -> Any:
+    """torchft's Rust extension, loaded without the torchft package (which needs
+    opentelemetry); None where torchft is not installed."""
+    os.environ.setdefault("RUST_LOG", "error")  # torchft logs every client and quorum
+    import importlib.util
+    import site
+
+    for root in site.getsitepackages():
+        for path in Path(root, "torchft").glob("_torchft*.so"):
+            spec = importlib.util.spec_from_file_location("_torchft", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    return None
+
+
+def _lighthouse_server(n: int, port_file: str) -> None:
+    tft = _torchft()
+    server = tft.LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=n,
+        join_timeout_ms=600_000,
+        quorum_tick_ms=10,
+        heartbeat_timeout_ms=600_000,
+    )
+    Path(port_file).write_text(server.address().rsplit(":", 1)[1])
+    threading.Event().wait()
+
+
+def _lighthouse_proc(port: int, ranks: list[int], ready: Any, go: Any, out: Any) -> None:
+    from datetime import timedelta
+
+    tft = _torchft()
+    addr = f"http://127.0.0.1:{port}"  # loopback, whatever name the server reports
+    sent, done = [], []
+    lock = threading.Lock()
+    gate = threading.Event()
+    with ThreadPoolExecutor(64) as pool:
+        clients = list(
+            pool.map(
+                lambda _: tft.LighthouseClient(addr, connect_timeout=timedelta(seconds=60)), ranks
+            )
+        )
+
+    def replica(r: int, client: Any) -> None:
+        gate.wait()
+        with lock:
+            sent.append(time.time())
+        client.quorum(replica_id=f"replica{r}", timeout=timedelta(seconds=600), world_size=1)
+        with lock:
+            done.append(time.time())
+
+    threads = [
+        threading.Thread(target=replica, args=(r, c)) for r, c in zip(ranks, clients, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    ready.put(os.getpid())
+    go.wait()
+    gate.set()
+    for t in threads:
+        t.join()
+    out.put({"first_sent": min(sent), "last_sent": max(sent), "last_verdict": max(done)})
+
+
+def run_lighthouse(n: int, procs: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        server = ctx.Process(target=_lighthouse_server, args=(n, str(port_file)))
+        server.start()
+        while not (port_file.exists() and port_file.read_text()):
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        try:
+            cpu0, _ = _proc_cpu_rss(server.pid or 0)
+            out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+            shares = [list(range(i, n, procs)) for i in range(procs)]
+            workers = [
+                ctx.Process(target=_lighthouse_proc, args=(port, s, ready, go, out)) for s in shares
+            ]
+            for w in workers:
+                w.start()
+            for _ in workers:
+                ready.get(timeout=600)
+            go.set()
+            results = [out.get(timeout=600) for _ in workers]
+            for w in workers:
+                w.join(timeout=60)
+            cpu1, hwm = _proc_cpu_rss(server.pid or 0)
+        finally:
+            server.kill()
+            server.join()
+    first = min(r["first_sent"] for r in results)
+    return {
+        "system": "lighthouse",
+        "ranks": n,
+        "first_join_to_done_s": max(r["last_verdict"] for r in results) - first,
+        "last_join_to_done_s": max(r["last_verdict"] for r in results)
+        - max(r["last_sent"] for r in results),
+        "coordinator_cpu_s": cpu1 - cpu0,
+        "coordinator_peak_rss_mib": hwm / 2**20,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,4096")
+    parser.add_argument("--relay", type=int, default=1, help="ranks per simulated relay (1: none)")
     parser.add_argument("--procs", type=int, default=3)
     parser.add_argument("--signatures", type=int, default=1)
     parser.add_argument("--entries", type=int, default=200)
-    parser.add_argument("--peers", default="tcpstore", help="comma list: tcpstore, or none")
+    parser.add_argument(
+        "--peers", default="tcpstore,lighthouse", help="comma list: tcpstore, lighthouse, none"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args()
+    # c10d looks up the name of every client socket for its logs; with no DNS server
+    # reachable (as here) each lookup waits ~0.17 s, so 4096 TCPStore clients took minutes
+    # to connect. Inherited by every worker; the timed part does no lookups.
+    os.environ.setdefault("RES_OPTIONS", "timeout:0 attempts:0")
+    peers = [p for p in args.peers.split(",") if p in ("tcpstore", "lighthouse")]
+    if "lighthouse" in peers and _torchft() is None:
+        print("torchft is not installed (pip install --no-deps torchft==0.2.0): no Lighthouse")
+        peers.remove("lighthouse")
     rows: list[dict[str, Any]] = []
     for n in [int(x) for x in args.ranks.split(",")]:
-        runs = {
-            "cohortgate": [
-                run_cohortgate(n, args.procs, args.entries, args.signatures)
-                for _ in range(args.repeats)
-            ]
-        }
-        if "tcpstore" in args.peers:
-            runs["tcpstore"] = [run_tcpstore(n, args.procs) for _ in range(args.repeats)]
+        runs: dict[str, list[dict[str, Any]]] = {"cohortgate": []}
+        runs.update({p: [] for p in peers})
+        for _ in range(args.repeats):  # interleaved, so drift hits every system alike
+            runs["cohortgate"].append(
+                run_cohortgate(n, args.procs, args.entries, args.signatures, args.relay)
+            )
+            if "tcpstore" in peers:
+                runs["tcpstore"].append(run_tcpstore(n, args.procs))
+            if "lighthouse" in peers:
+                runs["lighthouse"].append(run_lighthouse(n, args.procs))
         for results in runs.values():
             row = dict(results[0])
             for key in (
@@ -328,31 +484,38 @@ def main() -> int:
             row["runs"] = results
             rows.append(row)
     print(
-        f"{'system':<11} {'ranks':>6} {'first->done':>12} {'last->done':>11} "
-        f"{'coord CPU':>10} {'peak RSS':>9} {'bytes':>12} {'uploads':>8}"
+        f"{'system':<20} {'ranks':>7} {'first->done':>12} {'last->done':>11} "
+        f"{'server CPU':>10} {'peak RSS':>9} {'bytes':>12} {'uploads':>8}  outcomes"
     )
     for r in rows:
-        print(
-            f"{r['system']:<11} {r['ranks']:>6} {r['first_join_to_done_s']:>11.3f}s "
+        line = (
+            f"{r['system']:<20} {r['ranks']:>7} {r['first_join_to_done_s']:>11.3f}s "
             f"{r['last_join_to_done_s']:>10.3f}s "
-            + (
-                f"{r['coordinator_cpu_s']:>9.2f}s {r['coordinator_peak_rss_mib']:>7.0f}MiB "
-                f"{r['payload_bytes']:>12} {r['manifests_uploaded']:>8}"
-                if r["system"] == "cohortgate"
-                else ""
-            )
         )
-    by = {(r["system"], r["ranks"]): r for r in rows}
-    for n in sorted({r["ranks"] for r in rows}):
-        if ("tcpstore", n) in by:
-            ratio = (
-                by[("cohortgate", n)]["first_join_to_done_s"]
-                / by[("tcpstore", n)]["first_join_to_done_s"]
+        if "coordinator_cpu_s" in r:
+            line += f"{r['coordinator_cpu_s']:>9.2f}s {r['coordinator_peak_rss_mib']:>6.0f}MiB "
+        if "payload_bytes" in r:
+            line += f"{r['payload_bytes']:>12} {r['manifests_uploaded']:>8}  {r['outcomes']}"
+        print(line)
+    ours = {r["ranks"]: r for r in rows if r["system"].startswith("cohortgate")}
+    for r in rows:
+        if r["system"] in ("tcpstore", "lighthouse"):
+            ratio = ours[r["ranks"]]["first_join_to_done_s"] / r["first_join_to_done_s"]
+            print(
+                f"{r['ranks']} ranks: cohortgate / {r['system']} (first join to done, medians) "
+                f"= {ratio:.2f}"
             )
-            print(f"{n} ranks: cohortgate / TCPStore barrier (first join to done) = {ratio:.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
-        json.dumps({"machine": os.uname().machine, "cpus": os.cpu_count(), "rows": rows}, indent=1)
+        json.dumps(
+            {
+                "machine": os.uname().machine,
+                "cpus": os.cpu_count(),
+                "argv": sys.argv[1:],
+                "rows": rows,
+            },
+            indent=1,
+        )
     )
     print(f"wrote {args.json}")
     return 0
