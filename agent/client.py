@@ -18,6 +18,7 @@ from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.channel import ClientSecurity
+from coordinator.digests import combine
 from coordinator.layout import Layout
 from coordinator.manifest import Manifest
 
@@ -83,8 +84,10 @@ def join(
     options: JoinOptions | None = None,
     on_progress: Callable[[pb.Progress], None] | None = None,
     layout: Layout | None = None,
+    digests: Sequence[bytes] | None = None,
 ) -> pb.Verdict:
-    """Join the cohort and block until its verdict (FORMED or REFUSED)."""
+    """Join the cohort and block until its verdict (FORMED or REFUSED). `digests`: the
+    per-tensor weight digests in manifest order (agent.digest), to have values checked."""
     opts = options or JoinOptions()
     request = pb.JoinRequest(
         protocol_version=wire.PROTOCOL_VERSION,
@@ -104,6 +107,9 @@ def join(
     )
     if layout is not None:
         request.layout.CopyFrom(wire.layout_to_pb(layout))
+    if digests is not None:
+        names = [e.name for e in manifest.entries]
+        request.weights_digest = combine(zip(names, digests, strict=True))
     started = time.monotonic()
     give_up_at = started + opts.timeout_s
     delay = opts.backoff_initial_s
@@ -130,7 +136,14 @@ def join(
                 )
             try:
                 return _stream(
-                    stub, request, identity, manifest, remaining, on_progress, security.metadata
+                    stub,
+                    request,
+                    identity,
+                    manifest,
+                    remaining,
+                    on_progress,
+                    security.metadata,
+                    digests,
                 )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details()
@@ -181,6 +194,33 @@ def _upload(
         _say(f"rank {identity.rank}: the coordinator refused our manifest: {exc.details()}")
 
 
+def _upload_digests(
+    stub: pb_grpc.CohortServiceStub,
+    identity: RankIdentity,
+    digests: Sequence[bytes],
+    round_: int,
+    timeout: float,
+    metadata: Sequence[tuple[str, str]] = (),
+) -> None:
+    """Answer a digest request (this rank's weights differ from another replica's)."""
+    try:
+        stub.UploadDigests(
+            pb.UploadDigestsRequest(
+                job_id=identity.job_id,
+                round=round_,
+                rank=identity.rank,
+                incarnation=identity.incarnation,
+                digests=list(digests),
+            ),
+            timeout=min(timeout, 60.0),
+            metadata=metadata,
+        )
+    except grpc.RpcError as exc:
+        if exc.code() in RETRYABLE:
+            raise
+        _say(f"rank {identity.rank}: the coordinator refused our digests: {exc.details()}")
+
+
 def _stream(
     stub: pb_grpc.CohortServiceStub,
     request: pb.JoinRequest,
@@ -189,6 +229,7 @@ def _stream(
     timeout: float,
     on_progress: Callable[[pb.Progress], None] | None,
     metadata: Sequence[tuple[str, str]] = (),
+    digests: Sequence[bytes] | None = None,
 ) -> pb.Verdict:
     last_said = float("-inf")
     for event in stub.Join(request, timeout=timeout, wait_for_ready=True, metadata=metadata):
@@ -198,6 +239,10 @@ def _stream(
             return verdict
         if kind == "manifest_request":
             _upload(stub, identity, manifest, event.manifest_request.round, timeout, metadata)
+        elif kind == "digest_request":
+            _upload_digests(
+                stub, identity, digests or (), event.digest_request.round, timeout, metadata
+            )
         elif kind == "progress":
             progress = event.progress
             request.round = progress.round  # a reconnect re-joins this round, not a new one

@@ -76,8 +76,14 @@ def join(
     addr: str | None = None,
     timeout_s: float | None = None,
     layout: Layout | LayoutBuilder | None = None,
+    verify_values: bool = False,
 ) -> Cohort:
     """Present this rank's model signature and block until the coordinator decides.
+
+    verify_values=True also sends a digest of the weights' values, computed on their own
+    device (agent.digest), so a coordinator with the `weights` check on refuses replicas
+    that start from different weights (a missed seed, a stale checkpoint); it costs one
+    pass over the weights.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_RUN_ID, ...) and
     COHORTGATE_ADDR. A sharded job passes `layout` (see agent.layout()): the coordinator
@@ -91,6 +97,11 @@ def join(
 
     identity = RankIdentity.from_env(job_id=job_id, addr=addr)
     manifest = build_manifest(model)
+    digests = None
+    if verify_values:
+        from agent.digest import weight_digests
+
+        digests = [d for _, d in weight_digests(model)]
     if isinstance(layout, LayoutBuilder):
         from agent.dtensor import dtensor_pieces
 
@@ -106,6 +117,7 @@ def join(
             runtime=runtime_facts(_device_type(model)),
             options=options,
             layout=layout.build() if isinstance(layout, LayoutBuilder) else layout,
+            digests=digests,
         )
     except CohortgateError as exc:
         write_error_file(identity.error_file, f"CohortgateError: {exc}", str(exc))
@@ -131,7 +143,9 @@ def init_process_group(model: torch.nn.Module, backend: str | None = None, **kwa
     import torch.distributed as dist
 
     join_kwargs = {
-        k: kwargs.pop(k) for k in ("job_id", "addr", "timeout_s", "layout") if k in kwargs
+        k: kwargs.pop(k)
+        for k in ("job_id", "addr", "timeout_s", "layout", "verify_values")
+        if k in kwargs
     }
     cohort = join(model, **join_kwargs)
     dist.init_process_group(

@@ -61,14 +61,24 @@ def manifest(module: torch.nn.Module) -> Manifest:
 
 
 def _entries(root: torch.nn.Module) -> list[Entry]:
-    """named_parameters(remove_duplicate=False), then named_buffers(...), as entries.
+    return _entries_from(*_members(root))
+
+
+def walk(root: torch.nn.Module) -> list[tuple[str, Any]]:
+    """(name, tensor) of every parameter, then every buffer: the manifest's order."""
+    params, buffers = _members(root)
+    return params + buffers
+
+
+def _members(root: torch.nn.Module) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """named_parameters(remove_duplicate=False), and named_buffers(...).
 
     torch's own walk is a chain of nested generators; this recursion visits the same modules
     in the same pre-order, skipping None members as torch does, at a third of the cost.
     That is what keeps the signature near the price of a bare walk at 100k tensors.
     """
     if _overrides_walk(root):
-        return _entries_from(
+        return (
             list(root.named_parameters(remove_duplicate=False)),
             list(root.named_buffers(remove_duplicate=False)),
         )
@@ -88,7 +98,7 @@ def _entries(root: torch.nn.Module) -> list[Entry]:
                 visit(f"{prefix}{key}.", child)
 
     visit("", root)
-    return _entries_from(params, buffers)
+    return params, buffers
 
 
 def _entries_from(params: list[tuple[str, Any]], buffers: list[tuple[str, Any]]) -> list[Entry]:

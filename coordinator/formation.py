@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator import ranges
+from coordinator.digests import differing
 from coordinator.layered import (
     OFF,
     STRICT,
@@ -45,6 +46,7 @@ class Member:
     init_method: str = ""
     runtime: dict[str, str] = field(default_factory=dict)
     layout: Layout | None = None
+    weights_digest: bytes = b""  # agent.join(verify_values=True); b"": not sent
     joined_at: float = 0.0
     last_seen: float = 0.0
 
@@ -71,6 +73,8 @@ class CohortState:
     manifests: dict[bytes, Manifest] = field(default_factory=dict)
     # signature -> why its uploaded manifest was rejected (it did not hash to the signature)
     invalid_manifests: dict[bytes, str] = field(default_factory=dict)
+    # weights digest -> per-tensor digests (verified against it), fetched on disagreement
+    tensor_digests: dict[bytes, tuple[bytes, ...]] = field(default_factory=dict)
     complete_at: float | None = None
     last_join_at: float = 0.0
     departures: list[Departure] = field(default_factory=list)
@@ -121,6 +125,7 @@ class Cause(enum.StrEnum):
     MANIFEST_INVALID = "manifest_invalid"
     LAYOUT = "layout"
     RUNTIME = "runtime"
+    WEIGHTS = "weights"
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,8 @@ class Decision:
     present_ranks: tuple[int, ...] = ()
     # Signatures whose manifests the decision still waits for (WAITING only).
     awaiting_manifests: tuple[bytes, ...] = ()
+    # Weight digests whose per-tensor digests the decision waits for (WAITING only).
+    awaiting_digests: tuple[bytes, ...] = ()
     detail: dict[str, Any] = field(default_factory=dict)
     findings: tuple[Finding, ...] = ()
 
@@ -247,7 +254,7 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
     findings = runtime_findings(cohort.members, levels)
     layouts = {r: m.layout for r, m in cohort.members.items() if m.layout is not None}
     if layouts:
-        return _layered(cohort, layouts, levels, findings, awaiting)
+        return _layered(cohort, layouts, levels, findings, awaiting, now, options)
     if levels["model"] != STRICT and len(classes) > 1:
         if levels["model"] == WARN:
             findings.append(Finding("model", WARN, f"{len(classes)} different signatures"))
@@ -257,6 +264,9 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
         strict = [f for f in findings if f.level == STRICT]
         if strict:
             return _refuse_runtime(n, strict, findings)
+        held = _weights_gate(cohort, now, options, levels, findings)
+        if held is not None:
+            return held
         return Decision(
             Outcome.FORMED,
             f"[{n}/{n} ranks joined, 1 signature{unverified}]",
@@ -287,6 +297,8 @@ def _layered(
     levels: dict[str, str],
     findings: list[Finding],
     awaiting: tuple[bytes, ...],
+    now: float,
+    options: FormationOptions,
 ) -> Decision:
     """A sharded cohort: placement and coverage first, then one signature per replica group."""
     n = cohort.world_size
@@ -322,6 +334,9 @@ def _layered(
     runtime_strict = [f for f in findings if f.level == STRICT]
     if runtime_strict:
         return _refuse_runtime(n, runtime_strict, findings)
+    held = _weights_gate(cohort, now, options, levels, findings)
+    if held is not None:
+        return held
     unverified = ", manifest not verified" if awaiting else ""
     return Decision(
         Outcome.FORMED,
@@ -329,3 +344,107 @@ def _layered(
         f"{len({lay.replica_key for lay in layouts.values()})} replica groups{unverified}]",
         findings=tuple(findings),
     )
+
+
+def weight_classes(cohort: CohortState) -> dict[str, dict[bytes, list[int]]]:
+    """Per replica group (its label; "" for all ranks when no layout is declared): weight
+    digest -> ranks holding it, for ranks that sent one."""
+    groups: dict[str, dict[bytes, list[int]]] = {}
+    for rank in sorted(cohort.members):
+        m = cohort.members[rank]
+        if not m.weights_digest:
+            continue
+        label = (
+            " ".join(f"{a}={m.layout.position.get(a, 0)}" for a in AXES if a != "dp")
+            if m.layout is not None
+            else ""
+        )
+        groups.setdefault(label, {}).setdefault(m.weights_digest, []).append(rank)
+    return groups
+
+
+def _by_size(classes: dict[bytes, list[int]]) -> list[tuple[bytes, list[int]]]:
+    """Reference first (the largest; ties to the lowest rank), then by lowest rank."""
+    ordered = sorted(classes.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    return [ordered[0], *sorted(ordered[1:], key=lambda kv: kv[1][0])]
+
+
+NAMES_SHOWN = 10
+
+
+def _weights_gate(
+    cohort: CohortState,
+    now: float,
+    options: FormationOptions,
+    levels: dict[str, str],
+    findings: list[Finding],
+) -> Decision | None:
+    """The weights check, once everything else would form: None to go on and form (warn
+    findings added), else WAITING for per-tensor digests or REFUSED."""
+    level = levels["weights"]
+    if level == OFF:
+        return None
+    n = cohort.world_size
+    found: list[Finding] = []
+    unsent = [r for r, m in cohort.members.items() if not m.weights_digest]
+    if unsent:
+        found.append(
+            Finding(
+                "weights",
+                level,
+                f"{len(unsent)} rank(s) {ranges.compress_capped(unsent)} sent no weight digest; "
+                "call agent.join(model, verify_values=True) on every rank",
+                tuple(unsent),
+            )
+        )
+    awaiting: list[bytes] = []
+    for label, classes in weight_classes(cohort).items():
+        if len(classes) < 2:
+            continue
+        where = f"replica group {label}: " if label else ""
+        ordered = _by_size(classes)
+        ref_digest, ref_ranks = ordered[0]
+        reference = cohort.tensor_digests.get(ref_digest)
+        signature = cohort.members[ref_ranks[0]].signature
+        manifest = cohort.manifests.get(signature)
+        for digest, ranks in ordered[1:]:
+            other = cohort.tensor_digests.get(digest)
+            hosts = sorted({cohort.members[r].host for r in ranks})
+            who = (
+                f"{where}{len(ranks)} rank(s) [{ranges.compress_capped(ranks)}] on "
+                f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''} hold other weights "
+                f"than ranks [{ranges.compress_capped(ref_ranks)}]"
+            )
+            if reference is None or other is None or manifest is None:
+                awaiting += [d for d in (ref_digest, digest) if d not in cohort.tensor_digests]
+                found.append(Finding("weights", level, who, tuple(ranks)))
+                continue
+            names = [e.name for e in manifest.entries]
+            differ = differing(names, reference, other)
+            shown = ", ".join(f"'{x}'" for x in differ[:NAMES_SHOWN])
+            more = f" and {len(differ) - NAMES_SHOWN} more" if len(differ) > NAMES_SHOWN else ""
+            found.append(
+                Finding(
+                    "weights",
+                    level,
+                    f"{who}: {len(differ)} of {len(names)} tensors differ, first {shown}{more}",
+                    tuple(ranks),
+                )
+            )
+    wanted = tuple(dict.fromkeys(awaiting))
+    complete_at = cohort.complete_at if cohort.complete_at is not None else now
+    if wanted and now < complete_at + options.manifest_timeout_s:
+        return Decision(
+            Outcome.WAITING,
+            f"[{n}/{n} ranks joined, weights differ, waiting for {len(wanted)} digest list(s)]",
+            awaiting_digests=wanted,
+        )
+    findings += found
+    if level == STRICT and found:
+        return Decision(
+            Outcome.REFUSED,
+            f"[{n}/{n} ranks joined, models match, weights differ]",
+            cause=Cause.WEIGHTS,
+            findings=tuple(findings),
+        )
+    return None

@@ -28,6 +28,8 @@ DEFAULT_POLICY: dict[str, str] = {
     "runtime.cuda": WARN,
     "runtime.device_name": WARN,
     "runtime.device_capability": WARN,
+    # Off unless configured: the digest costs each rank a pass over its weights.
+    "weights": OFF,
 }
 
 

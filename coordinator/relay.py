@@ -61,6 +61,15 @@ class _Group:
     decided: bool = False
 
 
+def _auth(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
+    """The rank's bearer token, passed upstream as it came."""
+    return [
+        (m.key, str(m.value))
+        for m in context.invocation_metadata() or ()
+        if m.key == "authorization"
+    ]
+
+
 class Relay(pb_grpc.CohortServiceServicer):
     """Batches joins per (job, world size, round, token) for `window_s` after the first, or
     until `local_ranks` have joined, then joins them upstream as one group."""
@@ -84,11 +93,7 @@ class Relay(pb_grpc.CohortServiceServicer):
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent]:
-        auth = [
-            (m.key, str(m.value))
-            for m in context.invocation_metadata() or ()
-            if m.key == "authorization"
-        ]
+        auth = _auth(context)
         key: GroupKey = (
             request.job_id,
             request.world_size,
@@ -128,14 +133,22 @@ class Relay(pb_grpc.CohortServiceServicer):
     async def UploadManifest(
         self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
-        auth = [
-            (m.key, str(m.value))
-            for m in context.invocation_metadata() or ()
-            if m.key == "authorization"
-        ]
+        auth = _auth(context)
         try:
             response: pb.UploadManifestResponse = await self.stub.UploadManifest(
                 request, metadata=auth, timeout=context.time_remaining()
+            )
+            return response
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+            raise AssertionError("unreachable") from exc
+
+    async def UploadDigests(
+        self, request: pb.UploadDigestsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UploadDigestsResponse:
+        try:
+            response: pb.UploadDigestsResponse = await self.stub.UploadDigests(
+                request, metadata=_auth(context), timeout=context.time_remaining()
             )
             return response
         except grpc.aio.AioRpcError as exc:
@@ -209,8 +222,13 @@ class Relay(pb_grpc.CohortServiceServicer):
 
     def _dispatch(self, event: pb.JoinEvent, members: dict[int, _Rank]) -> None:
         kind = event.WhichOneof("event")
-        if kind == "manifest_request":
-            asked = members.get(event.manifest_request.rank)
+        if kind in ("manifest_request", "digest_request"):
+            named = (
+                event.manifest_request.rank
+                if kind == "manifest_request"
+                else event.digest_request.rank
+            )
+            asked = members.get(named)
             if asked is not None:
                 asked.events.put_nowait(event)
             return

@@ -97,12 +97,24 @@ def render_mismatch(
         )
     elif cause is Cause.RUNTIME:
         head = f"all {world_size} ranks joined, but their runtimes disagree."
+    elif cause is Cause.WEIGHTS:
+        head = (
+            f"all {world_size} ranks joined with matching models, but replicas start from "
+            "different weights."
+        )
     else:
         head = f"all {world_size} ranks joined, but their layered identities disagree."
     lines = [f"cohortgate refused to form job '{job_id}' round {round_}: {head}"]
     for f in sorted(findings, key=lambda f: f.level != "strict"):
         lines.append(f"{f.level} {f.check}: {f.text}")
     lines += _class_lines(classes, diffs)
+    if cause is Cause.WEIGHTS:
+        lines.append(
+            "What to do: every replica must start from the same weights: seed every rank "
+            "alike, load the same checkpoint everywhere (look for a stale copy on the hosts "
+            "named), or broadcast the weights from one rank before joining."
+        )
+        return "\n".join(lines)
     lines.append(
         "What to do: every rank must build the same model (same code, config and dtype) "
         "and, when sharded, declare its true position and pieces. Fix the ranks named above "

@@ -43,6 +43,13 @@ class StoredVerdict:
 
 
 @dataclass(frozen=True)
+class DigestAsk:
+    job_id: str
+    round: int
+    rank: int
+
+
+@dataclass(frozen=True)
 class ManifestAsk:
     signature: bytes
     job_id: str
@@ -50,7 +57,7 @@ class ManifestAsk:
     rank: int
 
 
-JoinEvent = Progress | ManifestAsk | Verdict | StoredVerdict
+JoinEvent = Progress | ManifestAsk | DigestAsk | Verdict | StoredVerdict
 StreamKey = tuple[str, int, int, str]  # job, round, rank, incarnation
 # Up to this world size every progress event is exact; above, it may be 0.25 s stale.
 PROGRESS_EXACT_UP_TO = 1024
@@ -170,6 +177,7 @@ class Coordinator:
         self.evaluate(cohort)
         self._changed(cohort)
         told: set[int] = set()
+        told_digests: set[int] = set()
         quiet = all(i.quiet for i in intents)
         loop = asyncio.get_running_loop()
         last_progress = float("-inf")
@@ -197,6 +205,11 @@ class Coordinator:
                     ):
                         told.add(m.rank)
                         yield ManifestAsk(m.signature, cohort.job_id, cohort.round, m.rank)
+                    if m.rank not in told_digests and cohort.digests_asked.get(
+                        m.weights_digest
+                    ) == (m.rank, m.incarnation):
+                        told_digests.add(m.rank)
+                        yield DigestAsk(cohort.job_id, cohort.round, m.rank)
                 now = self.clock()
                 if now - last_progress >= self.progress_interval_s and (
                     not quiet or last_progress < 0
@@ -294,6 +307,17 @@ class Coordinator:
         )
         self.evaluate(cohort)
 
+    def upload_digests(
+        self, job_id: str, round_: int, rank: int, incarnation: str, digests: list[bytes]
+    ) -> None:
+        try:
+            cohort = self.registry.upload_digests(job_id, round_, rank, incarnation, digests)
+        except ManifestMismatch as exc:
+            self.evaluate(exc.cohort)
+            raise
+        log.info("weight digests uploaded", job=job_id, round=round_, rank=rank)
+        self.evaluate(cohort)
+
     # -- decisions ---------------------------------------------------------------------
     def evaluate(self, cohort: Cohort) -> None:
         decision = self.registry.evaluate(cohort)
@@ -314,7 +338,13 @@ class Coordinator:
             if kind != cohort.last_reason:
                 cohort.last_reason = kind
                 log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
-            if decision.awaiting_manifests and cohort.state.complete_at is not None:
+            for rank, incarnation in cohort.digests_asked.values():
+                member = cohort.state.members.get(rank)
+                if member is not None and member.incarnation == incarnation:
+                    self._poke(cohort, member)
+            if (
+                decision.awaiting_manifests or decision.awaiting_digests
+            ) and cohort.state.complete_at is not None:
                 self._schedule(
                     cohort, "manifests", cohort.state.complete_at + self.options.manifest_timeout_s
                 )

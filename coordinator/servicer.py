@@ -28,7 +28,7 @@ from coordinator.errors import (
 )
 from coordinator.limits import Limits
 from coordinator.report import Verdict
-from coordinator.service import Coordinator, ManifestAsk, Progress, StoredVerdict
+from coordinator.service import Coordinator, DigestAsk, ManifestAsk, Progress, StoredVerdict
 
 log = structlog.get_logger("cohortgate")
 
@@ -96,11 +96,15 @@ def _verdict_event(verdict: Verdict) -> pb.JoinEvent:
     return cached
 
 
-def _event(event: Progress | ManifestAsk | Verdict | StoredVerdict) -> pb.JoinEvent:
+def _event(event: Progress | ManifestAsk | DigestAsk | Verdict | StoredVerdict) -> pb.JoinEvent:
     if isinstance(event, StoredVerdict):
         return pb.JoinEvent(verdict=pb.Verdict.FromString(event.data))
     if isinstance(event, Verdict):
         return _verdict_event(event)
+    if isinstance(event, DigestAsk):
+        return pb.JoinEvent(
+            digest_request=pb.DigestRequest(job_id=event.job_id, round=event.round, rank=event.rank)
+        )
     if isinstance(event, ManifestAsk):
         return pb.JoinEvent(
             manifest_request=pb.ManifestRequest(
@@ -196,6 +200,30 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             except Exception as exc:
                 await _internal(self.coordinator, context, "UploadManifest", exc)
         return pb.UploadManifestResponse()
+
+    async def UploadDigests(
+        self, request: pb.UploadDigestsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UploadDigestsResponse:
+        with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
+            try:
+                self.auth.check_job(_metadata(context), request.job_id)
+                if len(request.digests) > self.limits.max_manifest_entries:
+                    raise LimitExceeded(
+                        f"{len(request.digests)} digests; the limit is "
+                        f"max_manifest_entries={self.limits.max_manifest_entries}"
+                    )
+                self.coordinator.upload_digests(
+                    request.job_id,
+                    request.round,
+                    request.rank,
+                    request.incarnation,
+                    [bytes(d) for d in request.digests],
+                )
+            except CohortgateError as exc:
+                await _abort(self.coordinator, context, "UploadDigests", exc)
+            except Exception as exc:
+                await _internal(self.coordinator, context, "UploadDigests", exc)
+        return pb.UploadDigestsResponse()
 
 
 class StatusServicer(pb_grpc.StatusServiceServicer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from coordinator.digests import DIGEST_BYTES, combine
 from coordinator.errors import (
     AlreadyHeld,
     FailedPrecondition,
@@ -49,6 +50,8 @@ class Cohort:
     verdict: Verdict | None = None
     # signature -> (rank, incarnation) asked to upload its manifest
     asked: dict[bytes, tuple[int, str]] = field(default_factory=dict)
+    # weights digest -> (rank, incarnation) asked for its per-tensor digests
+    digests_asked: dict[bytes, tuple[int, str]] = field(default_factory=dict)
     last_reason: str = ""
 
     @property
@@ -280,6 +283,7 @@ class Registry:
         now = self.clock()
         decision = decide(cohort.state, now, self.options)
         if decision.outcome is Outcome.WAITING:
+            self._ask_digests(cohort, decision.awaiting_digests)
             return decision
         cohort.verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
         self.waiting_cohorts -= 1
@@ -288,6 +292,63 @@ class Registry:
         for m in cohort.state.members.values():
             job.incarnations[m.incarnation] = cohort.round
         return decision
+
+    def _ask_digests(self, cohort: Cohort, wanted: tuple[bytes, ...]) -> None:
+        """One representative per weights digest (its lowest rank) is asked for its list."""
+        members = cohort.state.members
+        for digest in wanted:
+            asked = cohort.digests_asked.get(digest)
+            if asked is not None:
+                holder = members.get(asked[0])
+                if holder is not None and holder.incarnation == asked[1]:
+                    continue
+            rank = min(r for r, m in members.items() if m.weights_digest == digest)
+            cohort.digests_asked[digest] = (rank, members[rank].incarnation)
+
+    def upload_digests(
+        self, job_id: str, round_: int, rank: int, incarnation: str, digests: list[bytes]
+    ) -> Cohort:
+        job = self.jobs.get(job_id)
+        cohort = job.rounds.get(round_) if job else None
+        if job is None or cohort is None:
+            raise NotFound(f"no round {round_} of job '{job_id}' is held by this coordinator")
+        member = cohort.state.members.get(rank)
+        if member is None or member.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"rank {rank} incarnation {incarnation} is not a member of job '{job_id}' "
+                f"round {round_}: join before uploading digests"
+            )
+        if not member.weights_digest:
+            raise FailedPrecondition(
+                f"rank {rank} joined without a weights digest; there is nothing to explain"
+            )
+        if len(digests) != member.manifest_entries:
+            raise InvalidArgument(
+                f"{len(digests)} digests uploaded, but rank {rank}'s manifest has "
+                f"{member.manifest_entries} entries: send one per entry, in manifest order"
+            )
+        bad = next((i for i, d in enumerate(digests) if len(d) != DIGEST_BYTES), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"digests[{bad}] is {len(digests[bad])} bytes; each digest is {DIGEST_BYTES}"
+            )
+        manifest = cohort.state.manifests.get(member.signature)
+        if manifest is None:
+            raise FailedPrecondition(
+                f"the manifest of rank {rank}'s signature is not uploaded yet; digests are "
+                "named by its entries"
+            )
+        names = [e.name for e in manifest.entries]
+        if combine(zip(names, digests, strict=True)) != member.weights_digest:
+            message = (
+                f"the per-tensor digests uploaded by rank {rank} (host {member.host}) do not "
+                "combine to the weights digest it joined with: the weights changed between "
+                "digesting and uploading, or agent and coordinator versions differ"
+            )
+            cohort.state.invalid_manifests.setdefault(member.signature, message)
+            raise ManifestMismatch(message, cohort)
+        cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
+        return cohort
 
     def evict(self, older_than_s: float) -> int:
         """Forget jobs decided longer ago than `older_than_s` (history keeps their verdicts),

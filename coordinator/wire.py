@@ -42,6 +42,7 @@ _CAUSE_TO_PB = {
     Cause.MANIFEST_INVALID: pb.Refusal.CAUSE_MANIFEST_INVALID,
     Cause.LAYOUT: pb.Refusal.CAUSE_LAYOUT,
     Cause.RUNTIME: pb.Refusal.CAUSE_RUNTIME,
+    Cause.WEIGHTS: pb.Refusal.CAUSE_WEIGHTS,
 }
 
 
@@ -72,6 +73,11 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
     if len(req.signature) != 32:
         raise InvalidArgument(
             f"signature is {len(req.signature)} bytes; a SHA-256 signature is 32 bytes"
+        )
+    if req.weights_digest and len(req.weights_digest) != 32:
+        raise InvalidArgument(
+            f"weights_digest is {len(req.weights_digest)} bytes; it is a 32-byte SHA-256 "
+            "(or empty when values are not checked)"
         )
     if req.manifest_entries > limits.max_manifest_entries:
         raise LimitExceeded(
@@ -104,6 +110,7 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         init_method=init_method,
         runtime=runtime,
         layout=layout,
+        weights_digest=bytes(req.weights_digest),
     )
     return JoinIntent(
         job_id=job_id, round=req.round, member=member, world_size=req.world_size, quiet=req.quiet

@@ -4,6 +4,9 @@ Flags make chosen ranks build a different model, to show a refusal:
   --wide-rank R     rank R builds a wider hidden layer
   --float64-rank R  rank R holds one block in float64 (DDP itself would not notice)
   --absent-rank R   rank R never joins (the coordinator's deadline names it)
+  --seed-rank R     rank R initialises its weights from another seed (needs
+                    --verify-values and a coordinator with --policy weights=strict)
+  --verify-values   send a digest of the weights' values too
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from torch import nn
 import agent
 
 
-def build_model(hidden: int, float64_block: bool) -> nn.Module:
-    torch.manual_seed(0)
+def build_model(hidden: int, float64_block: bool, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     model = nn.Sequential(
         nn.Linear(32, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 1)
     )
@@ -37,6 +40,8 @@ def main() -> int:
     parser.add_argument("--wide-rank", type=int, default=-1)
     parser.add_argument("--float64-rank", type=int, default=-1)
     parser.add_argument("--absent-rank", type=int, default=-1)
+    parser.add_argument("--seed-rank", type=int, default=-1)
+    parser.add_argument("--verify-values", action="store_true")
     args = parser.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -44,10 +49,12 @@ def main() -> int:
         time.sleep(3600)  # alive but never joins: torchrun ends it once the others fail
         return 0
     hidden = args.hidden * 2 if rank == args.wide_rank else args.hidden
-    model = build_model(hidden, float64_block=rank == args.float64_rank)
+    model = build_model(
+        hidden, float64_block=rank == args.float64_rank, seed=1 if rank == args.seed_rank else 0
+    )
 
     try:
-        cohort = agent.init_process_group(model, backend="gloo")
+        cohort = agent.init_process_group(model, backend="gloo", verify_values=args.verify_values)
     except agent.CohortRefused:
         return 3  # the report is already on stderr and in torchrun's error file
 

@@ -218,7 +218,13 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
 
 
 def agent_rank(
-    addr: str, job: str, rank: int, world: int, m: Manifest, timeout_s: float = 60
+    addr: str,
+    job: str,
+    rank: int,
+    world: int,
+    m: Manifest,
+    timeout_s: float = 60,
+    digests: list[bytes] | None = None,
 ) -> pb.Verdict:
     """One rank through the agent's real join client (retries, backoff), without torch."""
     from agent.client import JoinOptions, join
@@ -243,6 +249,7 @@ def agent_rank(
         init_method="tcp://127.0.0.1:29500" if rank == 0 else "",
         runtime=pb.RuntimeFacts(),
         options=JoinOptions(timeout_s=timeout_s, backoff_max_s=0.5),
+        digests=digests,
     )
 
 

@@ -167,6 +167,19 @@ def test_cohortgate_run_is_the_one_command_way_in(tmp_path: Path) -> None:
     assert out.count("all_reduce sum 3, trained 2 steps") == 2
 
 
+def test_a_rank_seeded_differently_is_refused_when_values_are_verified(tmp_path: Path) -> None:
+    with coordinator_process(
+        "--join-deadline", "60", "--policy", "weights=strict", tmp=tmp_path
+    ) as (addr, _):
+        formed = torchrun(addr, "e2e-values-ok", "--verify-values", "--steps", "1", tmp=tmp_path)
+        refused = torchrun(addr, "e2e-values", "--verify-values", "--seed-rank", "3", tmp=tmp_path)
+    assert formed.returncode == 0, formed.stdout
+    assert refused.returncode != 0
+    out = refused.stdout
+    assert "replicas start from different weights" in out, out
+    assert "1 rank(s) [3] on" in out and "first '0.weight'" in out, out
+
+
 PARALLEL = REPO / "examples" / "train_parallel.py"
 
 

@@ -100,6 +100,7 @@ class JoinRequest(_message.Message):
     INIT_METHOD_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     QUIET_FIELD_NUMBER: _builtins.int
+    WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -121,6 +122,10 @@ class JoinRequest(_message.Message):
     """Only the first progress event (it tells the round), then manifest requests and the
     verdict. The agent sets it on every rank but rank 0: at 16k ranks, progress to every
     rank each second is most of the coordinator's work and nobody reads it.
+    """
+    weights_digest: _builtins.bytes
+    """agent.join(verify_values=True): SHA-256 over the per-tensor content digests of the
+    weights (format cohortgate.digest.v1), 32 bytes; empty when values are not checked.
     """
     @_builtins.property
     def runtime(self) -> Global___RuntimeFacts: ...
@@ -146,10 +151,11 @@ class JoinRequest(_message.Message):
         init_method: _builtins.str = ...,
         layout: Global___Layout | None = ...,
         quiet: _builtins.bool = ...,
+        weights_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "weights_digest", b"weights_digest", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -310,28 +316,110 @@ class JoinEvent(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     MANIFEST_REQUEST_FIELD_NUMBER: _builtins.int
     VERDICT_FIELD_NUMBER: _builtins.int
+    DIGEST_REQUEST_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def progress(self) -> Global___Progress: ...
     @_builtins.property
     def manifest_request(self) -> Global___ManifestRequest: ...
     @_builtins.property
     def verdict(self) -> Global___Verdict: ...
+    @_builtins.property
+    def digest_request(self) -> Global___DigestRequest: ...
     def __init__(
         self,
         *,
         progress: Global___Progress | None = ...,
         manifest_request: Global___ManifestRequest | None = ...,
         verdict: Global___Verdict | None = ...,
+        digest_request: Global___DigestRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "manifest_request", b"manifest_request", "progress", b"progress", "verdict", b"verdict"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_request", b"digest_request", "event", b"event", "manifest_request", b"manifest_request", "progress", b"progress", "verdict", b"verdict"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "manifest_request", b"manifest_request", "progress", b"progress", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_request", b"digest_request", "event", b"event", "manifest_request", b"manifest_request", "progress", b"progress", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["progress", "manifest_request", "verdict"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["progress", "manifest_request", "verdict", "digest_request"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___JoinEvent: _TypeAlias = JoinEvent  # noqa: Y015
+
+@_typing.final
+class DigestRequest(_message.Message):
+    """Ranks of one replica class disagree on their weights: this rank (a representative of
+    its digest class) is asked for its per-tensor digests, to name the tensors that differ.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    rank: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "rank", b"rank", "round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DigestRequest: _TypeAlias = DigestRequest  # noqa: Y015
+
+@_typing.final
+class UploadDigestsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    rank: _builtins.int
+    incarnation: _builtins.str
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """one 32-byte digest per manifest entry, in manifest order"""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+        digests: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digests", b"digests", "incarnation", b"incarnation", "job_id", b"job_id", "rank", b"rank", "round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadDigestsRequest: _TypeAlias = UploadDigestsRequest  # noqa: Y015
+
+@_typing.final
+class UploadDigestsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadDigestsResponse: _TypeAlias = UploadDigestsResponse  # noqa: Y015
 
 @_typing.final
 class Progress(_message.Message):
@@ -641,6 +729,8 @@ class Refusal(_message.Message):
         """global fingerprint, placement or shard coverage"""
         CAUSE_RUNTIME: Refusal._Cause.ValueType  # 5
         """torch / CUDA / NCCL / device disagreement"""
+        CAUSE_WEIGHTS: Refusal._Cause.ValueType  # 6
+        """replicas hold different weight values"""
 
     class Cause(_Cause, metaclass=_CauseEnumTypeWrapper): ...
     CAUSE_UNSPECIFIED: Refusal.Cause.ValueType  # 0
@@ -652,6 +742,8 @@ class Refusal(_message.Message):
     """global fingerprint, placement or shard coverage"""
     CAUSE_RUNTIME: Refusal.Cause.ValueType  # 5
     """torch / CUDA / NCCL / device disagreement"""
+    CAUSE_WEIGHTS: Refusal.Cause.ValueType  # 6
+    """replicas hold different weight values"""
 
     CAUSE_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int

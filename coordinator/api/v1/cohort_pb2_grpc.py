@@ -51,6 +51,11 @@ class CohortServiceStub:
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
                 _registered_method=True)
+        self.UploadDigests = channel.unary_unary(
+                '/cohortgate.v1.CohortService/UploadDigests',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+                _registered_method=True)
 
 
 class CohortServiceServicer:
@@ -82,6 +87,13 @@ class CohortServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadDigests(self, request, context):
+        """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CohortServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +111,11 @@ def add_CohortServiceServicer_to_server(servicer, server):
                     servicer.JoinGroup,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
+            ),
+            'UploadDigests': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadDigests,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +201,33 @@ class CohortService:
             '/cohortgate.v1.CohortService/JoinGroup',
             coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
             coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadDigests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.CohortService/UploadDigests',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,8 @@ class CohortServiceStub:
     naming the member to ask (ManifestRequest.rank), one verdict. The group stands or
     falls together: when the call ends before the verdict, every member leaves.
     """
+    UploadDigests: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.UploadDigestsRequest, _cohort_pb2.UploadDigestsResponse]
+    """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
 
 @_typing.type_check_only
 class CohortServiceAsyncStub(CohortServiceStub):
@@ -65,6 +67,8 @@ class CohortServiceAsyncStub(CohortServiceStub):
     naming the member to ask (ManifestRequest.rank), one verdict. The group stands or
     falls together: when the call ends before the verdict, every member leaves.
     """
+    UploadDigests: _aio.UnaryUnaryMultiCallable[_cohort_pb2.UploadDigestsRequest, _cohort_pb2.UploadDigestsResponse]  # type: ignore[assignment]
+    """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
 
 class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
     """Ranks join here. One Join call per rank per round: the coordinator streams progress,
@@ -99,6 +103,14 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
         naming the member to ask (ManifestRequest.rank), one verdict. The group stands or
         falls together: when the call ends before the verdict, every member leaves.
         """
+
+    @_abc_1.abstractmethod
+    def UploadDigests(
+        self,
+        request: _cohort_pb2.UploadDigestsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.UploadDigestsResponse, _abc.Awaitable[_cohort_pb2.UploadDigestsResponse]]:
+        """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
 
 def add_CohortServiceServicer_to_server(servicer: CohortServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,0 +1,107 @@
+"""Weight digest throughput against a plain copy of the same tensors, on CPU and (where
+present) CUDA; on CUDA also checks that the CPU and CUDA digests of the same bytes agree.
+
+Usage: python bench/bench_digest.py [--mib 1024] [--tensors 64] [--repeats 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _timed(fn: Any, sync: Any, repeats: int) -> float:
+    fn()  # warm-up (keys, allocator)
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(device: str, mib: int, tensors: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from agent.digest import tensor_digest
+
+    gen = torch.Generator().manual_seed(0)
+    per = mib * 2**20 // tensors // 2  # bfloat16 elements per tensor
+    weights = [
+        torch.randn(per, generator=gen).to(torch.bfloat16).to(device) for _ in range(tensors)
+    ]
+    targets = [torch.empty_like(w) for w in weights]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def copy() -> None:
+        for w, t in zip(weights, targets, strict=True):
+            t.copy_(w)
+
+    def digest() -> None:
+        for i, w in enumerate(weights):
+            tensor_digest(f"w{i}", w)
+
+    t_copy = _timed(copy, sync, repeats)
+    t_digest = _timed(digest, sync, repeats)
+    row: dict[str, Any] = {
+        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "bytes": nbytes,
+        "copy_gib_s": nbytes / t_copy / 2**30,
+        "digest_gib_s": nbytes / t_digest / 2**30,
+        "ratio": t_copy / t_digest,
+    }
+    if device == "cuda":
+        row["cpu_cuda_agree"] = all(
+            tensor_digest(f"w{i}", w) == tensor_digest(f"w{i}", w.cpu())
+            for i, w in enumerate(weights[:4])
+        )
+    return row
+
+
+def main() -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024, help="total size of the weights")
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/digest.json"))
+    args = parser.parse_args()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    rows = [run(d, args.mib, args.tensors, args.repeats) for d in devices]
+    print(f"{'device':<24} {'MiB':>6} {'copy':>10} {'digest':>10} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r['device']:<24} {r['bytes'] / 2**20:>6.0f} {r['copy_gib_s']:>6.1f}GiB/s "
+            f"{r['digest_gib_s']:>6.1f}GiB/s {r['ratio']:>6.2f}"
+            + (
+                f"  CPU and CUDA digests agree: {r['cpu_cuda_agree']}"
+                if "cpu_cuda_agree" in r
+                else ""
+            )
+        )
+    if len(devices) == 1:
+        print("no CUDA device here: the CUDA figures and the CPU/CUDA agreement are not measured")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
