@@ -242,15 +242,67 @@ def run_cohortgate(
     }
 
 
+# -- peers: one thread per rank, N ranks over a few processes ---------------------------------
+def _threads(
+    ranks: list[int], clients: list[Any], body: Any, ready: Any, go: Any, out: Any
+) -> None:
+    """Run body(rank, client) on a thread per rank, all released at once by `go`; report the
+    first and last start and the last finish to `out`."""
+    sent: list[float] = []
+    done: list[float] = []
+    lock = threading.Lock()
+    gate = threading.Event()
+
+    def rank(r: int, client: Any) -> None:
+        gate.wait()
+        with lock:
+            sent.append(time.time())
+        body(r, client)
+        with lock:
+            done.append(time.time())
+
+    threads = [
+        threading.Thread(target=rank, args=(r, c)) for r, c in zip(ranks, clients, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    ready.put(os.getpid())
+    go.wait()
+    gate.set()
+    for t in threads:
+        t.join()
+    out.put({"first_sent": min(sent), "last_sent": max(sent), "last_verdict": max(done)})
+
+
+def _drive(system: str, n: int, procs: int, target: Any, *args: Any) -> dict[str, Any]:
+    """target(*args, share, ready, go, out) in `procs` processes; the timings of the run."""
+    ctx = mp.get_context("spawn")
+    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    shares = [list(range(i, n, procs)) for i in range(procs)]
+    workers = [ctx.Process(target=target, args=(*args, s, ready, go, out)) for s in shares]
+    for w in workers:
+        w.start()
+    for _ in workers:
+        ready.get(timeout=600)
+    go.set()
+    results = [out.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+    first = min(r["first_sent"] for r in results)
+    done = max(r["last_verdict"] for r in results)
+    return {
+        "system": system,
+        "ranks": n,
+        "first_join_to_done_s": done - first,
+        "last_join_to_done_s": done - max(r["last_sent"] for r in results),
+    }
+
+
 # -- TCPStore barrier ------------------------------------------------------------------------
-def _store_proc(port: int, ranks: list[int], world: int, ready: Any, go: Any, out: Any) -> None:
+def _store_proc(port: int, world: int, ranks: list[int], ready: Any, go: Any, out: Any) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    sent, done = [], []
-    lock = threading.Lock()
-    gate = threading.Event()
 
     def connect(_: int) -> Any:
         return dist.TCPStore(
@@ -262,34 +314,19 @@ def _store_proc(port: int, ranks: list[int], world: int, ready: Any, go: Any, ou
             use_libuv=True,
         )
 
-    # A client takes ~0.2 s to connect here: connected in parallel, before the clock starts.
+    # Connected in parallel, before the clock starts.
     with ThreadPoolExecutor(64) as pool:
         stores = list(pool.map(connect, ranks))
 
-    def rank(r: int, store: Any) -> None:
-        gate.wait()
-        with lock:
-            sent.append(time.time())
+    def barrier(r: int, store: Any) -> None:
         store.set(f"sig/{r}", "a" * 64)
         if store.add("joined", 1) == world:  # the last to arrive compares every signature
             sigs = store.multi_get([f"sig/{i}" for i in range(world)])
             store.set("verdict", "formed" if len(set(sigs)) == 1 else "refused")
         store.wait(["verdict"])
         store.get("verdict")
-        with lock:
-            done.append(time.time())
 
-    threads = [
-        threading.Thread(target=rank, args=(r, st)) for r, st in zip(ranks, stores, strict=True)
-    ]
-    for t in threads:
-        t.start()
-    ready.put(os.getpid())
-    go.wait()
-    gate.set()
-    for t in threads:
-        t.join()
-    out.put({"first_sent": min(sent), "last_sent": max(sent), "last_verdict": max(done)})
+    _threads(ranks, stores, barrier, ready, go, out)
 
 
 def run_tcpstore(n: int, procs: int) -> dict[str, Any]:
@@ -307,28 +344,10 @@ def run_tcpstore(n: int, procs: int) -> dict[str, Any]:
         use_libuv=True,
         wait_for_workers=False,
     )
-    ctx = mp.get_context("spawn")
-    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    shares = [list(range(i, n, procs)) for i in range(procs)]
-    workers = [ctx.Process(target=_store_proc, args=(port, s, n, ready, go, out)) for s in shares]
-    for w in workers:
-        w.start()
-    for _ in workers:
-        ready.get(timeout=300)
-    go.set()
-    results = [out.get(timeout=600) for _ in workers]
-    for w in workers:
-        w.join(timeout=60)
-    del master
-    first = min(r["first_sent"] for r in results)
-    last_join = max(r["last_sent"] for r in results)
-    done = max(r["last_verdict"] for r in results)
-    return {
-        "system": "tcpstore",
-        "ranks": n,
-        "first_join_to_done_s": done - first,
-        "last_join_to_done_s": done - last_join,
-    }
+    try:
+        return _drive("tcpstore", n, procs, _store_proc, port, n)
+    finally:
+        del master
 
 
 # -- torchft Lighthouse -----------------------------------------------------------------------
@@ -367,9 +386,6 @@ def _lighthouse_proc(port: int, ranks: list[int], ready: Any, go: Any, out: Any)
 
     tft = _torchft()
     addr = f"http://127.0.0.1:{port}"  # loopback, whatever name the server reports
-    sent, done = [], []
-    lock = threading.Lock()
-    gate = threading.Event()
     with ThreadPoolExecutor(64) as pool:
         clients = list(
             pool.map(
@@ -377,25 +393,10 @@ def _lighthouse_proc(port: int, ranks: list[int], ready: Any, go: Any, out: Any)
             )
         )
 
-    def replica(r: int, client: Any) -> None:
-        gate.wait()
-        with lock:
-            sent.append(time.time())
+    def quorum(r: int, client: Any) -> None:
         client.quorum(replica_id=f"replica{r}", timeout=timedelta(seconds=600), world_size=1)
-        with lock:
-            done.append(time.time())
 
-    threads = [
-        threading.Thread(target=replica, args=(r, c)) for r, c in zip(ranks, clients, strict=True)
-    ]
-    for t in threads:
-        t.start()
-    ready.put(os.getpid())
-    go.wait()
-    gate.set()
-    for t in threads:
-        t.join()
-    out.put({"first_sent": min(sent), "last_sent": max(sent), "last_verdict": max(done)})
+    _threads(ranks, clients, quorum, ready, go, out)
 
 
 def run_lighthouse(n: int, procs: int) -> dict[str, Any]:
@@ -406,36 +407,14 @@ def run_lighthouse(n: int, procs: int) -> dict[str, Any]:
         server.start()
         while not (port_file.exists() and port_file.read_text()):
             time.sleep(0.05)
-        port = int(port_file.read_text())
         try:
             cpu0, _ = _proc_cpu_rss(server.pid or 0)
-            out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-            shares = [list(range(i, n, procs)) for i in range(procs)]
-            workers = [
-                ctx.Process(target=_lighthouse_proc, args=(port, s, ready, go, out)) for s in shares
-            ]
-            for w in workers:
-                w.start()
-            for _ in workers:
-                ready.get(timeout=600)
-            go.set()
-            results = [out.get(timeout=600) for _ in workers]
-            for w in workers:
-                w.join(timeout=60)
+            row = _drive("lighthouse", n, procs, _lighthouse_proc, int(port_file.read_text()))
             cpu1, hwm = _proc_cpu_rss(server.pid or 0)
         finally:
             server.kill()
             server.join()
-    first = min(r["first_sent"] for r in results)
-    return {
-        "system": "lighthouse",
-        "ranks": n,
-        "first_join_to_done_s": max(r["last_verdict"] for r in results) - first,
-        "last_join_to_done_s": max(r["last_verdict"] for r in results)
-        - max(r["last_sent"] for r in results),
-        "coordinator_cpu_s": cpu1 - cpu0,
-        "coordinator_peak_rss_mib": hwm / 2**20,
-    }
+    return {**row, "coordinator_cpu_s": cpu1 - cpu0, "coordinator_peak_rss_mib": hwm / 2**20}
 
 
 def main() -> int:

@@ -233,6 +233,22 @@ class Registry:
         return successor
 
     # -- manifests ---------------------------------------------------------------------
+    def _member(
+        self, job_id: str, round_: int, rank: int, incarnation: str, what: str
+    ) -> tuple[Cohort, Member]:
+        """The cohort and member an upload of `what` comes from, or the error saying why not."""
+        job = self.jobs.get(job_id)
+        cohort = job.rounds.get(round_) if job else None
+        if job is None or cohort is None:
+            raise NotFound(f"no round {round_} of job '{job_id}' is held by this coordinator")
+        member = cohort.state.members.get(rank)
+        if member is None or member.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"rank {rank} incarnation {incarnation} is not a member of job '{job_id}' "
+                f"round {round_}: join before uploading {what}"
+            )
+        return cohort, member
+
     def upload(
         self,
         job_id: str,
@@ -242,16 +258,7 @@ class Registry:
         manifest: Manifest,
         claimed: bytes,
     ) -> Cohort:
-        job = self.jobs.get(job_id)
-        cohort = job.rounds.get(round_) if job else None
-        if job is None or cohort is None:
-            raise NotFound(f"no round {round_} of job '{job_id}' is held by this coordinator")
-        member = cohort.state.members.get(rank)
-        if member is None or member.incarnation != incarnation:
-            raise FailedPrecondition(
-                f"rank {rank} incarnation {incarnation} is not a member of job '{job_id}' "
-                f"round {round_}: join before uploading a manifest"
-            )
+        cohort, member = self._member(job_id, round_, rank, incarnation, "a manifest")
         if claimed != member.signature:
             raise InvalidArgument(
                 f"upload claims signature {claimed.hex()[:12]}, but rank {rank} joined with "
@@ -308,16 +315,7 @@ class Registry:
     def upload_digests(
         self, job_id: str, round_: int, rank: int, incarnation: str, digests: list[bytes]
     ) -> Cohort:
-        job = self.jobs.get(job_id)
-        cohort = job.rounds.get(round_) if job else None
-        if job is None or cohort is None:
-            raise NotFound(f"no round {round_} of job '{job_id}' is held by this coordinator")
-        member = cohort.state.members.get(rank)
-        if member is None or member.incarnation != incarnation:
-            raise FailedPrecondition(
-                f"rank {rank} incarnation {incarnation} is not a member of job '{job_id}' "
-                f"round {round_}: join before uploading digests"
-            )
+        cohort, member = self._member(job_id, round_, rank, incarnation, "digests")
         if not member.weights_digest:
             raise FailedPrecondition(
                 f"rank {rank} joined without a weights digest; there is nothing to explain"
