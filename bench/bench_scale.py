@@ -2,7 +2,9 @@
 
 Reports, per N: first join -> last verdict delivered, last join -> last verdict delivered,
 coordinator CPU seconds and peak RSS, payload bytes on the wire (serialized protobuf, without
-HTTP/2 framing), manifests uploaded. With --relay K the clients are simulated relays: each
+HTTP/2 framing), manifests uploaded. With --signatures S the ranks hold S different models in
+S contiguous blocks (a bad image on some nodes), so the verdict is a refusal with S-1 diffs.
+With --relay K the clients are simulated relays: each
 joins K ranks in one JoinGroup call, as `cohortgate relay` does on a node of K ranks (the
 relay's own fan-out to its K local ranks is not simulated: it runs on the node, in parallel).
 
@@ -91,7 +93,7 @@ def _client_proc(
         stats["outcomes"] = {}
 
         def request(r: int) -> pb.JoinRequest:
-            m = manifests[r % signatures]
+            m = manifests[r * signatures // world]
             return pb.JoinRequest(
                 protocol_version=wire.PROTOCOL_VERSION,
                 job_id=job,
@@ -122,7 +124,7 @@ def _client_proc(
                 kind = event.WhichOneof("event")
                 if kind == "manifest_request":
                     r = event.manifest_request.rank
-                    m = manifests[r % signatures]
+                    m = manifests[r * signatures // world]
                     up = pb.UploadManifestRequest(
                         job_id=job,
                         round=event.manifest_request.round,

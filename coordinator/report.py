@@ -50,7 +50,8 @@ def _plural(n: int, word: str) -> str:
 def _class_line(c: SignatureClass, label: str) -> str:
     return (
         f"{label} signature {c.signature.hex()[:12]}: {_plural(len(c.ranks), 'rank')} "
-        f"[{c.ranks_text}] on {_plural(len(c.hosts), 'host')} {_hosts(c.hosts)}, "
+        f"[{ranges.compress_capped(c.ranks)}] on {_plural(len(c.hosts), 'host')} "
+        f"{_hosts(c.hosts)}, "
         f"{c.manifest_entries} tensors"
     )
 

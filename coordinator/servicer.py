@@ -80,23 +80,26 @@ async def _internal(
     )
 
 
-# Every rank of a cohort receives the same verdict: convert it once, not once per rank
-# (a refused 16k-rank cohort's report and diffs would otherwise be rebuilt 16k times).
-_VERDICT_EVENTS: OrderedDict[str, pb.JoinEvent] = OrderedDict()
+# Every rank of a cohort receives the same verdict: convert and serialise it once, not once
+# per rank (a refused 16k-rank cohort's report and diffs would otherwise be rebuilt and
+# re-encoded 16k times). The bytes go out as they are (see _serializer).
+_VERDICT_EVENTS: OrderedDict[str, bytes] = OrderedDict()
 _VERDICT_EVENTS_KEPT = 256
 
 
-def _verdict_event(verdict: Verdict) -> pb.JoinEvent:
+def _verdict_event(verdict: Verdict) -> bytes:
     cached = _VERDICT_EVENTS.get(verdict.cohort_id)
     if cached is None:
-        cached = pb.JoinEvent(verdict=wire.verdict_to_pb(verdict))
+        cached = pb.JoinEvent(verdict=wire.verdict_to_pb(verdict)).SerializeToString()
         _VERDICT_EVENTS[verdict.cohort_id] = cached
         while len(_VERDICT_EVENTS) > _VERDICT_EVENTS_KEPT:
             _VERDICT_EVENTS.popitem(last=False)
     return cached
 
 
-def _event(event: Progress | ManifestAsk | DigestAsk | Verdict | StoredVerdict) -> pb.JoinEvent:
+def _event(
+    event: Progress | ManifestAsk | DigestAsk | Verdict | StoredVerdict,
+) -> pb.JoinEvent | bytes:
     if isinstance(event, StoredVerdict):
         return pb.JoinEvent(verdict=pb.Verdict.FromString(event.data))
     if isinstance(event, Verdict):
@@ -136,9 +139,9 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         self.auth = auth or Auth(None)
         self.limits = limits or Limits()
 
-    async def Join(
+    async def Join(  # type: ignore[override]  # yields pre-encoded verdicts too
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.JoinEvent]:
+    ) -> AsyncIterator[pb.JoinEvent | bytes]:
         with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
             try:
                 self.auth.check_job(_metadata(context), request.job_id)
@@ -155,9 +158,9 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             except Exception as exc:
                 await _internal(self.coordinator, context, "Join", exc)
 
-    async def JoinGroup(
+    async def JoinGroup(  # type: ignore[override]  # yields pre-encoded verdicts too
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.JoinEvent]:
+    ) -> AsyncIterator[pb.JoinEvent | bytes]:
         job_id = request.members[0].job_id if request.members else ""
         with structlog.contextvars.bound_contextvars(job=job_id[:64], group=len(request.members)):
             try:
@@ -314,6 +317,15 @@ def _safe_deserializer(cls: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+def _serializer(cls: Any) -> Callable[[Any], bytes]:
+    """Messages are encoded; bytes (a verdict encoded once for all its ranks) pass as they are."""
+
+    def encode(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else bytes(message.SerializeToString())
+
+    return encode
+
+
 def add_service(server: grpc.aio.Server, service_name: str, servicer: Any) -> None:
     """Register `servicer` for a cohortgate.v1 service with deserialisers that never raise:
     bytes that are not a protobuf message get INVALID_ARGUMENT, not grpc's INTERNAL."""
@@ -334,7 +346,7 @@ def add_service(server: grpc.aio.Server, service_name: str, servicer: Any) -> No
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 stream,
                 request_deserializer=_safe_deserializer(request_cls),
-                response_serializer=response_cls.SerializeToString,
+                response_serializer=_serializer(response_cls),
             )
         else:
 
