@@ -138,6 +138,7 @@ def _client_proc(
                     await stub.UploadManifest(up, timeout=60)
                 elif kind == "verdict":
                     stats["verdict"].append(time.time())
+                    stats["decided"] = event.verdict.decided_at_unix
                     name = pb.Verdict.Outcome.Name(event.verdict.outcome)
                     stats["outcomes"][name] = stats["outcomes"].get(name, 0) + len(ranks)
 
@@ -157,6 +158,7 @@ def _client_proc(
             "first_sent": min(stats["sent"]),
             "last_sent": max(stats["sent"]),
             "last_verdict": max(stats["verdict"]),
+            "decided": stats["decided"],
             "verdicts": len(stats["verdict"]),
             "bytes": stats["bytes"],
             "uploads": stats["uploads"],
@@ -235,6 +237,8 @@ def run_cohortgate(
         "ranks": n,
         "first_join_to_done_s": done - first,
         "last_join_to_done_s": done - last_join,
+        # The coordinator's clock: from its decision to the last rank holding the verdict.
+        "decided_to_done_s": done - results[0]["decided"],
         "coordinator_cpu_s": cpu1 - cpu0,
         "coordinator_peak_rss_mib": hwm / 2**20,
         "payload_bytes": sum(r["bytes"] for r in results),
@@ -457,6 +461,7 @@ def main() -> int:
             for key in (
                 "first_join_to_done_s",
                 "last_join_to_done_s",
+                "decided_to_done_s",
                 "coordinator_cpu_s",
                 "coordinator_peak_rss_mib",
             ):
@@ -465,13 +470,14 @@ def main() -> int:
             row["runs"] = results
             rows.append(row)
     print(
-        f"{'system':<20} {'ranks':>7} {'first->done':>12} {'last->done':>11} "
+        f"{'system':<20} {'ranks':>7} {'first->done':>12} {'last->done':>11} {'decided->done':>14} "
         f"{'server CPU':>10} {'peak RSS':>9} {'bytes':>12} {'uploads':>8}  outcomes"
     )
     for r in rows:
         line = (
             f"{r['system']:<20} {r['ranks']:>7} {r['first_join_to_done_s']:>11.3f}s "
             f"{r['last_join_to_done_s']:>10.3f}s "
+            + (f"{r['decided_to_done_s']:>13.3f}s " if "decided_to_done_s" in r else f"{'':>15}")
         )
         if "coordinator_cpu_s" in r:
             line += f"{r['coordinator_cpu_s']:>9.2f}s {r['coordinator_peak_rss_mib']:>6.0f}MiB "
