@@ -67,7 +67,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="append",
         help="CHECK=LEVEL, repeatable: model, layout, coverage, runtime.device_type, "
         "runtime.nccl, runtime.torch, runtime.cuda, runtime.device_name, "
-        "runtime.device_capability; strict (refuse), warn (form and record), off",
+        "runtime.device_capability, weights (off unless set); strict (refuse), warn (form "
+        "and record), off",
     )
     p.add_argument(
         "--job-policy", action="append", help="JOB:CHECK=LEVEL, repeatable: one job's override"
