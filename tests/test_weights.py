@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +18,14 @@ from agent.signature import manifest as build_manifest
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.manifest import ManifestError
-from tests.helpers import agent_rank, coordinator_process, join_request, log_events
+from coordinator.spawn import spawn
+from tests.helpers import (
+    agent_rank,
+    coordinator_process,
+    join_request,
+    kill_group,
+    log_events,
+)
 
 FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 
@@ -179,3 +187,24 @@ def test_bad_digest_uploads_get_clear_errors(strict: tuple[str, Path]) -> None:
                 timeout=5,
             )
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_digests_pass_through_a_relay(strict: tuple[str, Path], tmp_path: Path) -> None:
+    addr, log = strict
+    proc, port = spawn(
+        tmp_path / "relay-port",
+        ["--upstream", addr, "--listen", "127.0.0.1:0", "--local-ranks", "2"],
+        stdout=subprocess.DEVNULL,
+        new_session=True,
+        command="relay",
+    )
+    try:
+        verdicts = cohort(
+            f"127.0.0.1:{port}", "relayed", {r: model(seed=5 if r == 3 else 0) for r in range(4)}
+        )
+    finally:
+        kill_group(proc)
+    assert {v.outcome for v in verdicts} == {pb.Verdict.OUTCOME_REFUSED}
+    assert "1 rank(s) [3] on node0 hold other weights" in verdicts[0].refusal.report
+    uploads = [e for e in log_events(log) if e.get("event") == "weight digests uploaded"]
+    assert sorted(e["rank"] for e in uploads) == [0, 3]
