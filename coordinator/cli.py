@@ -103,8 +103,9 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--window",
         type=float,
-        default=0.05,
-        help="or this many seconds after the first rank joined (default 0.05)",
+        default=2.0,
+        help="or this many seconds after the first rank joined (default 2; a late local rank "
+        "is sent on its own at once)",
     )
     p.add_argument("--port-file", type=Path, help="once serving, write the port here")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
@@ -171,6 +172,20 @@ Everything after cohortgate's own options goes to torchrun unchanged.
 """
 
 
+def _nproc_per_node(torchrun_argv: Sequence[str]) -> int | None:
+    """torchrun's --nproc-per-node (or --nproc_per_node) when it is a number."""
+    for i, arg in enumerate(torchrun_argv):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            value = None
+            if arg == flag and i + 1 < len(torchrun_argv):
+                value = torchrun_argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            if value is not None:
+                return int(value) if value.isdigit() else None
+    return None
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     argv = list(argv)
     coordinator: str | None = None
@@ -207,6 +222,7 @@ def cmd_run(argv: Sequence[str]) -> int:
                 server, port = spawn(Path(tmp) / "port", flags, stdout=sys.stderr)
                 coordinator = f"127.0.0.1:{port}"
             elif relay:
+                local = _nproc_per_node(argv)
                 relay_proc, relay_port = spawn(
                     Path(tmp) / "relay-port",
                     [
@@ -216,6 +232,7 @@ def cmd_run(argv: Sequence[str]) -> int:
                         "127.0.0.1:0",
                         "--log-format",
                         "console",
+                        *(["--local-ranks", str(local)] if local else []),
                     ],
                     stdout=sys.stderr,
                     command="relay",

@@ -71,15 +71,18 @@ def _auth(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
 
 
 class Relay(pb_grpc.CohortServiceServicer):
-    """Batches joins per (job, world size, round, token) for `window_s` after the first, or
-    until `local_ranks` have joined, then joins them upstream as one group."""
+    """Batches joins per (job, world size, round, token) until the node's `local_ranks` have
+    joined (counting those already sent upstream, so a late or restarted rank goes at once),
+    or `window_s` after the first, then joins them upstream as one group. The window never
+    delays a formation that waits for a rank of this node anyway; it only bounds how long
+    the others wait for a local rank that may never come."""
 
     def __init__(
         self,
         upstream: str,
         security: ClientSecurity | None = None,
         *,
-        window_s: float = 0.05,
+        window_s: float = 2.0,
         local_ranks: int = 8,
     ) -> None:
         self.upstream = upstream
@@ -88,6 +91,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         self.window_s = window_s
         self.local_ranks = local_ranks
         self._pending: dict[GroupKey, _Group] = {}
+        self._sent: dict[GroupKey, int] = {}  # ranks sent upstream per key, until a verdict
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def Join(
@@ -111,7 +115,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         # grpc.aio does not always cancel a handler whose client went away; its context's
         # done callback always runs.
         context.add_done_callback(lambda _: rank.events.put_nowait(_GONE))
-        if len(group.ranks) >= self.local_ranks:
+        if len(group.ranks) + self._sent.get(key, 0) >= self.local_ranks:
             self._send(group)
         decided = False
         try:
@@ -173,6 +177,7 @@ class Relay(pb_grpc.CohortServiceServicer):
             group.timer = None
         if group.call is not None or not group.ranks:
             return
+        self._sent[group.key] = self._sent.get(group.key, 0) + len(group.ranks)
         task = asyncio.get_running_loop().create_task(self._run(group))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -202,6 +207,7 @@ class Relay(pb_grpc.CohortServiceServicer):
                     self._dispatch(event, members)
                     if event.WhichOneof("event") == "verdict":
                         group.decided = True
+                        self._sent.pop(group.key, None)  # the next round batches afresh
                         return
                 status = _Status(
                     grpc.StatusCode.UNAVAILABLE,
@@ -251,7 +257,7 @@ async def serve_relay(
     upstream: str,
     listen: str,
     *,
-    window_s: float = 0.05,
+    window_s: float = 2.0,
     local_ranks: int = 8,
     port_file: str | None = None,
 ) -> None:
