@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from agent.digest import CHUNK, tensor_digest, weight_digests
+from agent.digest import CHUNK, chunk_sums, tensor_digest, weight_digests
 from agent.signature import manifest as build_manifest
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
@@ -85,13 +86,33 @@ def test_views_digest_their_values_and_meta_tensors_are_refused() -> None:
         weight_digests(nn.Linear(4, 4, device="meta"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a CUDA device")
-def test_cuda_and_cpu_digests_of_the_same_bytes_agree() -> None:
+def reference_sums(t: torch.Tensor) -> np.ndarray:
+    """The chunk sums by the algorithm's definition, in numpy (wrapping uint64 arithmetic):
+    an independent check of what every device must compute."""
+    from agent.digest import LANES, _keys
+
+    raw = np.frombuffer(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), np.uint8)
+    padded = np.zeros(-(-raw.size // (4 * CHUNK)) * 4 * CHUNK, np.uint8)
+    padded[: raw.size] = raw
+    words = padded.view("<i4").astype(np.int64).view(np.uint64).reshape(-1, CHUNK)
+    keys = _keys(torch.device("cpu")).numpy().view(np.uint64)
+    with np.errstate(over="ignore"):
+        return np.stack([(words * keys[lane]).sum(axis=1) for lane in range(LANES)], axis=1)
+
+
+# Every device this machine has: the CPU always, CUDA where present. Each must agree with the
+# definition above and with the CPU, bit for bit.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_digests_agree_with_the_definition_on_every_device(device: str) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
-        t = torch.randn(1237, 129).to(dtype)
-        assert tensor_digest("w", t) == tensor_digest("w", t.cuda())
-    m = model()
-    assert weight_digests(m) == weight_digests(model().cuda())
+        t = torch.randn(1237, 129, generator=torch.Generator().manual_seed(3)).to(dtype)
+        sums = chunk_sums(t.to(device)).cpu().numpy().view(np.uint64)
+        assert np.array_equal(sums, reference_sums(t)), dtype
+        assert tensor_digest("w", t.to(device)) == tensor_digest("w", t)
+    assert weight_digests(model().to(device)) == weight_digests(model())
 
 
 # -- the coordinator's check -------------------------------------------------------------
