@@ -16,6 +16,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -68,6 +69,15 @@ def _auth(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
         for m in context.invocation_metadata() or ()
         if m.key == "authorization"
     ]
+
+
+async def _forward(method: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    """A unary call passed upstream with the rank's token; its error passed back as it came."""
+    try:
+        return await method(request, metadata=_auth(context), timeout=context.time_remaining())
+    except grpc.aio.AioRpcError as exc:
+        await context.abort(exc.code(), exc.details() or "")
+        raise AssertionError("unreachable") from exc
 
 
 class Relay(pb_grpc.CohortServiceServicer):
@@ -137,27 +147,18 @@ class Relay(pb_grpc.CohortServiceServicer):
     async def UploadManifest(
         self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
-        auth = _auth(context)
-        try:
-            response: pb.UploadManifestResponse = await self.stub.UploadManifest(
-                request, metadata=auth, timeout=context.time_remaining()
-            )
-            return response
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
-            raise AssertionError("unreachable") from exc
+        response: pb.UploadManifestResponse = await _forward(
+            self.stub.UploadManifest, request, context
+        )
+        return response
 
     async def UploadDigests(
         self, request: pb.UploadDigestsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:
-        try:
-            response: pb.UploadDigestsResponse = await self.stub.UploadDigests(
-                request, metadata=_auth(context), timeout=context.time_remaining()
-            )
-            return response
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
-            raise AssertionError("unreachable") from exc
+        response: pb.UploadDigestsResponse = await _forward(
+            self.stub.UploadDigests, request, context
+        )
+        return response
 
     async def JoinGroup(
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext

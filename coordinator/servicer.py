@@ -29,6 +29,7 @@ from coordinator.errors import (
 from coordinator.limits import Limits
 from coordinator.report import Verdict
 from coordinator.service import Coordinator, DigestAsk, ManifestAsk, Progress, StoredVerdict
+from coordinator.state import JoinIntent
 
 log = structlog.get_logger("cohortgate")
 
@@ -139,44 +140,51 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         self.auth = auth or Auth(None)
         self.limits = limits or Limits()
 
-    async def Join(  # type: ignore[override]  # yields pre-encoded verdicts too
+    def Join(  # type: ignore[override]  # yields pre-encoded verdicts too
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent | bytes]:
-        with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
-            try:
-                self.auth.check_job(_metadata(context), request.job_id)
-                intent = wire.join_intent(request, self.limits)
-                events = self.coordinator.join(
-                    intent,
-                    alive=lambda: not context.done(),
-                    on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
-                )
-                async for event in events:
-                    yield _event(event)
-            except CohortgateError as exc:
-                await _abort(self.coordinator, context, "Join", exc)
-            except Exception as exc:
-                await _internal(self.coordinator, context, "Join", exc)
+        return self._join(
+            context,
+            "Join",
+            request.job_id,
+            lambda: [wire.join_intent(request, self.limits)],
+            rank=request.rank,
+        )
 
-    async def JoinGroup(  # type: ignore[override]  # yields pre-encoded verdicts too
+    def JoinGroup(  # type: ignore[override]  # yields pre-encoded verdicts too
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent | bytes]:
-        job_id = request.members[0].job_id if request.members else ""
-        with structlog.contextvars.bound_contextvars(job=job_id[:64], group=len(request.members)):
+        return self._join(
+            context,
+            "JoinGroup",
+            request.members[0].job_id if request.members else "",
+            lambda: wire.group_intents(request, self.limits),
+            group=len(request.members),
+        )
+
+    async def _join(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        job_id: str,
+        intents: Callable[[], list[JoinIntent]],
+        **log_context: int,
+    ) -> AsyncIterator[pb.JoinEvent | bytes]:
+        """One rank's join, or a relay's group: auth, validation, then the events."""
+        with structlog.contextvars.bound_contextvars(job=job_id[:64], **log_context):
             try:
                 self.auth.check_job(_metadata(context), job_id)
-                intents = wire.group_intents(request, self.limits)
                 events = self.coordinator.join_group(
-                    intents,
+                    intents(),
                     alive=lambda: not context.done(),
                     on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
                 )
                 async for event in events:
                     yield _event(event)
             except CohortgateError as exc:
-                await _abort(self.coordinator, context, "JoinGroup", exc)
+                await _abort(self.coordinator, context, method, exc)
             except Exception as exc:
-                await _internal(self.coordinator, context, "JoinGroup", exc)
+                await _internal(self.coordinator, context, method, exc)
 
     async def UploadManifest(
         self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
