@@ -18,7 +18,7 @@ from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.channel import ClientSecurity
-from coordinator.digests import combine
+from coordinator.digests import DIGEST_FORMAT_VERSION, combine
 from coordinator.layout import Layout
 from coordinator.manifest import Manifest
 
@@ -110,6 +110,7 @@ def join(
     if digests is not None:
         names = [e.name for e in manifest.entries]
         request.weights_digest = combine(zip(names, digests, strict=True))
+        request.weights_digest_format = DIGEST_FORMAT_VERSION
     started = time.monotonic()
     give_up_at = started + opts.timeout_s
     delay = opts.backoff_initial_s

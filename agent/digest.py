@@ -1,106 +1,191 @@
 """Content digests of a model's tensors, computed where the tensors live.
 
-The algorithm (format `cohortgate.digest.v1`), the same on every device:
+The algorithm (format `cohortgate.digest.v2`), the same on every device:
 
 - A tensor's bytes (its contiguous form; any dtype: bfloat16, float8, bool, ints) are read
-  as little-endian signed 32-bit words, the tail zero-padded to whole chunks of CHUNK words.
-- Each chunk is reduced to two 64-bit sums, one per lane: sum(word[i] * key[lane][i]) with
-  wrapping 64-bit arithmetic. The keys are fixed pseudo-random 64-bit values derived from
-  SHA-256 (so they are the same on every machine and torch version).
+  as little-endian unsigned 32-bit words, the tail zero-padded to whole chunks of CHUNK words.
+- Each chunk is reduced to two 64-bit sums, one per lane: sum(word[i] * key[lane][i]) mod
+  2^64, every product exact (32 x 32 bits). The keys are fixed pseudo-random 32-bit values
+  derived from SHA-256, so they are the same on every machine and torch version.
 - The chunk sums (16 bytes per 16 KiB of tensor) are the only thing copied to the host;
   SHA-256 over a header (name, dtype, shape, byte length) and the sums gives the tensor's
   digest, and SHA-256 over every (name, digest) in manifest order gives the rank's.
 
-Collision probability: for two different byte strings of one tensor, a chunk whose words
-differ (a nonzero difference d, |d| < 2^32) keeps a zero lane sum with probability at most
-2^-33 over the keys, so both lanes with at most 2^-66; the keys are fixed, so this is a
-statement about non-adversarial differences (a missed seed, a stale checkpoint), not about
-an attacker crafting weights. After the sums, SHA-256 (2^-128).
+Collision probability: take two different byte strings of one tensor and a chunk whose
+words differ, d[j] != 0 for some j, |d[j]| < 2^32. Whatever the other keys, the map
+key -> key * d[j] mod 2^64 is one-to-one on 32-bit keys (|(k - k') * d[j]| < 2^64), so at
+most one of the 2^32 values of key[lane][j] gives a zero lane difference: at most 2^-32 per
+lane, 2^-64 for both (independent keys). The keys are fixed, so this is a statement about
+non-adversarial differences (a missed seed, a stale checkpoint), not about an attacker
+crafting weights. After the sums, SHA-256 (2^-128).
 
-Speed: two fused multiply-and-widen plus reduce passes per block of BLOCK_BYTES, on the
-tensor's own device; no copy of the weights leaves the device.
+Where it runs: on the CPU, a fused C kernel (agent/_digest.c, built with the package; one
+pass over the bytes, split across torch's intra-op threads); on other devices, and on a
+CPU where the kernel was not built, the same sums from torch ops on the tensor's own
+device, in cache-sized blocks. No copy of the weights leaves their device.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from coordinator.digests import FORMAT, combine
 from coordinator.manifest import ManifestError
 
-__all__ = ["FORMAT", "chunk_sums", "combine", "tensor_digest", "weight_digests"]
+__all__ = ["FORMAT", "KERNEL", "chunk_sums", "combine", "tensor_digest", "weight_digests"]
 
 if TYPE_CHECKING:
     import torch
 
 CHUNK = 4096  # words per chunk: 16 KiB of tensor per 16 bytes of sums
-BLOCK_BYTES = 2 << 20  # of tensor per step: bounded, cache-sized temporaries
+CHUNK_BYTES = 4 * CHUNK
+BLOCK_BYTES = 2 << 20  # of tensor per step of the torch ops: bounded, cache-sized temporaries
 LANES = 2
+# Below this a tensor is not split across threads (the hand-off would cost more).
+PARALLEL_BYTES = 4 << 20
+
+_kernel: ModuleType | None
+try:  # the fused CPU kernel; absent where the package was installed without a C compiler
+    from agent import _digest as _kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _kernel = None
+
+KERNEL: bool = _kernel is not None
+"""Whether CPU tensors are digested by the fused C kernel (else by torch ops, ~5x slower)."""
 
 _KEYS: dict[Any, Any] = {}
+_POOL: list[tuple[int, ThreadPoolExecutor]] = []
+
+
+def _key_bytes() -> bytes:
+    """LANES * CHUNK little-endian uint32 keys, from SHA-256 in counter mode."""
+    return b"".join(
+        hashlib.sha256(FORMAT + struct.pack("<I", i)).digest()
+        for i in range(LANES * CHUNK * 4 // 32)
+    )
 
 
 def _keys(device: Any) -> torch.Tensor:
-    """(LANES, CHUNK) int64 keys on `device`, from SHA-256 in counter mode."""
+    """(LANES, CHUNK) int64 keys (each below 2^32) on `device`."""
     import torch
 
     cached = _KEYS.get(device)
     if cached is None:
-        stream = b"".join(
-            hashlib.sha256(FORMAT + struct.pack("<I", i)).digest()
-            for i in range(LANES * CHUNK * 8 // 32)
-        )
-        keys = torch.frombuffer(bytearray(stream), dtype=torch.int64).reshape(LANES, CHUNK)
+        words = torch.frombuffer(bytearray(_key_bytes()), dtype=torch.int32)
+        keys = (words.to(torch.int64) & 0xFFFFFFFF).reshape(LANES, CHUNK)
         cached = _KEYS[device] = keys.to(device)
     return cached
 
 
-def chunk_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """(chunks, LANES) int64 sums of `tensor`'s bytes, computed on its device."""
+def _threads(nbytes: int) -> int:
     import torch
 
-    data = tensor.detach()
-    if not data.is_contiguous():
-        data = data.contiguous()
-    flat = data.reshape(-1).view(torch.uint8)
+    return max(1, min(torch.get_num_threads(), nbytes // PARALLEL_BYTES))
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of at least `workers` threads (grown when torch's count grows)."""
+    if not _POOL or _POOL[0][0] < workers:
+        if _POOL:
+            _POOL.pop()[1].shutdown(wait=False)
+        _POOL.append((workers, ThreadPoolExecutor(workers, thread_name_prefix="cohortgate-digest")))
+    return _POOL[0][1]
+
+
+def _kernel_sums(kernel: ModuleType, address: int, nbytes: int) -> bytes:
+    """The C kernel over `nbytes` at `address` (a contiguous CPU tensor the caller holds), in
+    whole chunks per thread (the kernel releases the GIL), this thread taking the first."""
+    keys = _KEYS.get("kernel")
+    if keys is None:
+        keys = _KEYS["kernel"] = _key_bytes()
+    rows = -(-nbytes // CHUNK_BYTES)
+    out = bytearray(rows * LANES * 8)
+    per = -(-rows // _threads(nbytes))
+    view = memoryview(out)
+    parts = [
+        (address + r * CHUNK_BYTES, min(nbytes, (r + per) * CHUNK_BYTES) - r * CHUNK_BYTES,
+         view[r * LANES * 8 : (r + per) * LANES * 8])
+        for r in range(0, rows, per)
+    ]  # fmt: skip
+    futures = []
+    if len(parts) > 1:
+        pool = _pool(len(parts) - 1)
+        futures = [pool.submit(kernel.chunk_sums, at, n, keys, o) for at, n, o in parts[1:]]
+    at, n, o = parts[0] if parts else (address, 0, view)
+    kernel.chunk_sums(at, n, keys, o)
+    for f in futures:
+        f.result()
+    return bytes(out)
+
+
+def _torch_sums(flat: torch.Tensor, out: torch.Tensor) -> None:
+    """The same sums from torch ops on `flat`'s device, block by block."""
+    import torch
+
     keys = _keys(flat.device)
-    chunk_bytes = CHUNK * 4
-    whole = flat.numel() - flat.numel() % chunk_bytes
-    rows = whole // chunk_bytes
-    out = torch.empty((rows + (whole < flat.numel()), LANES), dtype=torch.int64, device=flat.device)
+    whole = flat.numel() - flat.numel() % CHUNK_BYTES
+    rows = whole // CHUNK_BYTES
     if rows:
         words = flat[:whole].view(torch.int32).reshape(rows, CHUNK)
-        step = max(BLOCK_BYTES // chunk_bytes, 1)
-        # Preallocated, cache-sized buffers: the words sign-extended to int64 once (an
-        # int32 * int64 product would convert inside the multiply, 4x slower on CPU), then
-        # one multiply and one row sum per lane, all in place.
+        step = max(BLOCK_BYTES // CHUNK_BYTES, 1)
+        # Preallocated buffers: the words widened to int64 once (sign-extended by the copy,
+        # then masked to their unsigned value), one multiply and one row sum per lane.
         wide = torch.empty((min(step, rows), CHUNK), dtype=torch.int64, device=flat.device)
         product = torch.empty_like(wide)
         for start in range(0, rows, step):
             n = min(step, rows - start)
             w, p = wide[:n], product[:n]
             w.copy_(words[start : start + n])
+            w.bitwise_and_(0xFFFFFFFF)
             for lane in range(LANES):
                 torch.mul(w, keys[lane], out=p)
                 torch.sum(p, dim=1, out=out[start : start + n, lane])
     if whole < flat.numel():
-        tail = torch.zeros(chunk_bytes, dtype=torch.uint8, device=flat.device)
+        tail = torch.zeros(CHUNK_BYTES, dtype=torch.uint8, device=flat.device)
         tail[: flat.numel() - whole] = flat[whole:]
-        w = tail.view(torch.int32).to(torch.int64)
+        w = tail.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         for lane in range(LANES):
             out[rows, lane] = (w * keys[lane]).sum()
-    return out
 
 
-def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
-    sums = chunk_sums(tensor).cpu().contiguous()  # 1/1024 of the tensor's size
+def chunk_sums(tensor: torch.Tensor, *, kernel: bool | None = None) -> bytes:
+    """The chunk sums of `tensor`'s bytes, computed on its device: (chunks, LANES) int64,
+    little-endian, as bytes (what the digest hashes; 1/1024 of the tensor's size). `kernel`:
+    the C kernel for a CPU tensor (default: wherever it was built); False: torch ops, as on
+    every other device."""
+    import torch
+
+    data = tensor.detach()
+    if data.is_conj() or data.is_neg():  # lazy views: digest their values
+        data = data.resolve_conj().resolve_neg()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    nbytes = data.numel() * data.element_size()
+    if data.device.type == "cpu" and (KERNEL if kernel is None else kernel):
+        if _kernel is None:
+            raise RuntimeError(
+                "the digest's C kernel (agent._digest) was not built: reinstall cohortgate "
+                "where a C compiler and the Python headers are present"
+            )
+        if data.data_ptr() % 4:  # a byte-offset view: the kernel reads aligned 32-bit words
+            data = data.clone()
+        return _kernel_sums(_kernel, data.data_ptr(), nbytes)
+    flat = data.reshape(-1).view(torch.uint8)
+    out = torch.empty((-(-nbytes // CHUNK_BYTES), LANES), dtype=torch.int64, device=flat.device)
+    _torch_sums(flat, out)
+    return out.cpu().numpy().astype("<i8", copy=False).tobytes()
+
+
+def tensor_digest(name: str, tensor: torch.Tensor, *, kernel: bool | None = None) -> bytes:
     h = hashlib.sha256(FORMAT)
     header = f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0"
     h.update(header.encode())
     h.update(struct.pack("<Q", tensor.numel() * tensor.element_size()))
-    h.update(sums.numpy().astype("<i8", copy=False).tobytes())
+    h.update(chunk_sums(tensor, kernel=kernel))
     return h.digest()
 
 

@@ -7,7 +7,8 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 
-FORMAT = b"cohortgate.digest.v1"
+FORMAT = b"cohortgate.digest.v2"
+DIGEST_FORMAT_VERSION = 2
 DIGEST_BYTES = 32
 
 

@@ -8,6 +8,7 @@ from coordinator import ranges
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.diff import LIST_CAP, Change, ManifestDiff, OrderChange
 from coordinator.diff import FirstDifference as DomainFirstDifference
+from coordinator.digests import DIGEST_FORMAT_VERSION
 from coordinator.errors import (
     CohortgateError,
     FailedPrecondition,
@@ -78,6 +79,12 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         raise InvalidArgument(
             f"weights_digest is {len(req.weights_digest)} bytes; it is a 32-byte SHA-256 "
             "(or empty when values are not checked)"
+        )
+    if req.weights_digest and req.weights_digest_format != DIGEST_FORMAT_VERSION:
+        raise FailedPrecondition(
+            f"weights_digest is in format {req.weights_digest_format}, this coordinator "
+            f"compares format {DIGEST_FORMAT_VERSION} (cohortgate.digest.v"
+            f"{DIGEST_FORMAT_VERSION}): upgrade the older of agent and coordinator"
         )
     if req.manifest_entries > limits.max_manifest_entries:
         raise LimitExceeded(

@@ -14,7 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from agent.digest import CHUNK, chunk_sums, tensor_digest, weight_digests
+from agent.digest import (
+    CHUNK,
+    KERNEL,
+    PARALLEL_BYTES,
+    chunk_sums,
+    tensor_digest,
+    weight_digests,
+)
 from agent.signature import manifest as build_manifest
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
@@ -86,33 +93,85 @@ def test_views_digest_their_values_and_meta_tensors_are_refused() -> None:
         weight_digests(nn.Linear(4, 4, device="meta"))
 
 
+def sums_of(t: torch.Tensor, kernel: bool | None = None) -> np.ndarray:
+    from agent.digest import LANES
+
+    return np.frombuffer(chunk_sums(t, kernel=kernel), "<u8").reshape(-1, LANES)
+
+
 def reference_sums(t: torch.Tensor) -> np.ndarray:
     """The chunk sums by the algorithm's definition, in numpy (wrapping uint64 arithmetic):
-    an independent check of what every device must compute."""
-    from agent.digest import LANES, _keys
+    an independent check of what every device and both CPU paths must compute."""
+    from agent.digest import LANES, _key_bytes
 
     raw = np.frombuffer(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), np.uint8)
     padded = np.zeros(-(-raw.size // (4 * CHUNK)) * 4 * CHUNK, np.uint8)
     padded[: raw.size] = raw
-    words = padded.view("<i4").astype(np.int64).view(np.uint64).reshape(-1, CHUNK)
-    keys = _keys(torch.device("cpu")).numpy().view(np.uint64)
+    words = padded.view("<u4").astype(np.uint64).reshape(-1, CHUNK)
+    keys = np.frombuffer(_key_bytes(), "<u4").astype(np.uint64).reshape(LANES, CHUNK)
     with np.errstate(over="ignore"):
         return np.stack([(words * keys[lane]).sum(axis=1) for lane in range(LANES)], axis=1)
 
 
-# Every device this machine has: the CPU always, CUDA where present. Each must agree with the
-# definition above and with the CPU, bit for bit.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Every way this machine computes digests: the CPU's C kernel and the CPU's torch ops always,
+# CUDA where present. Each must agree with the definition above and with the others, bit
+# for bit.
+PATHS = [("cpu", True), ("cpu", False)] + ([("cuda", False)] if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_digests_agree_with_the_definition_on_every_device(device: str) -> None:
+@pytest.mark.parametrize(("device", "kernel"), PATHS)
+def test_digests_agree_with_the_definition_on_every_device(device: str, kernel: bool) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         t = torch.randn(1237, 129, generator=torch.Generator().manual_seed(3)).to(dtype)
-        sums = chunk_sums(t.to(device)).cpu().numpy().view(np.uint64)
+        sums = sums_of(t.to(device), kernel=kernel)
         assert np.array_equal(sums, reference_sums(t)), dtype
         assert tensor_digest("w", t.to(device)) == tensor_digest("w", t)
     assert weight_digests(model().to(device)) == weight_digests(model())
+
+
+def test_the_cpu_kernel_is_built_and_splits_big_tensors_across_threads() -> None:
+    # The dev install (make venv) builds agent/_digest.c; without it CPU digests fall back to
+    # torch ops (same sums, ~5x slower) and this is what says so.
+    assert KERNEL, "agent._digest was not built: pip install -e . needs a C compiler"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        # three threads' worth of whole chunks plus a 5-byte tail, one bit changed in each
+        t = torch.randint(
+            0, 255, (3 * PARALLEL_BYTES + 5,), dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(4),
+        )  # fmt: skip
+        sums = sums_of(t)
+        assert np.array_equal(sums, reference_sums(t))
+        assert np.array_equal(sums, sums_of(t, kernel=False))
+        for i in (0, PARALLEL_BYTES + 7, 2 * PARALLEL_BYTES + 1, t.numel() - 1):
+            other = t.clone()
+            other[i] ^= 0x80
+            changed = np.flatnonzero((sums_of(other) != sums).any(axis=1))
+            assert changed.tolist() == [i // (4 * CHUNK)], i
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kernel_rejects_buffers_of_the_wrong_size() -> None:
+    from agent import _digest
+    from agent.digest import _key_bytes
+
+    t = torch.arange(8, dtype=torch.uint8)
+    at, keys = t.data_ptr(), _key_bytes()
+    with pytest.raises(ValueError, match="keys are 3 bytes"):
+        _digest.chunk_sums(at, 4, b"abc", bytearray(16))
+    with pytest.raises(ValueError, match="out is 32 bytes; 1 chunks need 16"):
+        _digest.chunk_sums(at, 4, keys, bytearray(32))
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        _digest.chunk_sums(at + 1, 4, keys, bytearray(16))
+    with pytest.raises(ValueError, match="address is 0"):
+        _digest.chunk_sums(0, 4, keys, bytearray(16))
+    with pytest.raises(TypeError):
+        _digest.chunk_sums(at, 4, keys, b"read-only out...")
+    # and a byte-offset view of a tensor (not 4-byte aligned) is digested through a copy
+    u = torch.randint(0, 255, (4 * CHUNK + 9,), dtype=torch.uint8)
+    assert np.array_equal(sums_of(u[1:]), reference_sums(u[1:]))
 
 
 # -- the coordinator's check -------------------------------------------------------------
@@ -196,12 +255,17 @@ def test_bad_digest_uploads_get_clear_errors(strict: tuple[str, Path]) -> None:
     m = build_manifest(model())
     with grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.CohortServiceStub(channel)
-        for digest, code in ((b"x" * 31, grpc.StatusCode.INVALID_ARGUMENT),):
-            req = join_request("bad", 0, 2, m, weights_digest=digest)
+        for digest, fmt, code, says in (
+            (b"x" * 31, 2, grpc.StatusCode.INVALID_ARGUMENT, "weights_digest is 31 bytes"),
+            # an agent computing another digest function (another version), or not saying
+            (b"x" * 32, 1, grpc.StatusCode.FAILED_PRECONDITION, "is in format 1, this "),
+            (b"x" * 32, 0, grpc.StatusCode.FAILED_PRECONDITION, "compares format 2"),
+        ):
+            req = join_request("bad", 0, 2, m, weights_digest=digest, weights_digest_format=fmt)
             with pytest.raises(grpc.RpcError) as caught:
                 list(stub.Join(req, timeout=5))
             assert caught.value.code() == code
-            assert "weights_digest is 31 bytes" in (caught.value.details() or "")
+            assert says in (caught.value.details() or "")
         with pytest.raises(grpc.RpcError) as caught:
             stub.UploadDigests(
                 pb.UploadDigestsRequest(job_id="nobody", round=1, rank=0, incarnation="x"),

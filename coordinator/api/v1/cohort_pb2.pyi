@@ -101,6 +101,7 @@ class JoinRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     QUIET_FIELD_NUMBER: _builtins.int
     WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
+    WEIGHTS_DIGEST_FORMAT_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -125,7 +126,12 @@ class JoinRequest(_message.Message):
     """
     weights_digest: _builtins.bytes
     """agent.join(verify_values=True): SHA-256 over the per-tensor content digests of the
-    weights (format cohortgate.digest.v1), 32 bytes; empty when values are not checked.
+    weights, 32 bytes; empty when values are not checked.
+    """
+    weights_digest_format: _builtins.int
+    """The digest's format (2: cohortgate.digest.v2), required with weights_digest: ranks can
+    only be compared when they computed the same function, so a coordinator refuses a
+    format it does not know instead of calling every tensor different.
     """
     @_builtins.property
     def runtime(self) -> Global___RuntimeFacts: ...
@@ -152,10 +158,11 @@ class JoinRequest(_message.Message):
         layout: Global___Layout | None = ...,
         quiet: _builtins.bool = ...,
         weights_digest: _builtins.bytes = ...,
+        weights_digest_format: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "weights_digest", b"weights_digest", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
