@@ -108,7 +108,7 @@ def _kernel_sums(kernel: ModuleType, address: int, nbytes: int) -> bytes:
         keys = _KEYS["kernel"] = _key_bytes()
     rows = -(-nbytes // CHUNK_BYTES)
     out = bytearray(rows * LANES * 8)
-    per = -(-rows // _threads(nbytes))
+    per = max(1, -(-rows // _threads(nbytes)))  # rows is 0 for an empty tensor
     view = memoryview(out)
     parts = [
         (address + r * CHUNK_BYTES, min(nbytes, (r + per) * CHUNK_BYTES) - r * CHUNK_BYTES,
@@ -169,6 +169,8 @@ def chunk_sums(tensor: torch.Tensor, *, kernel: bool | None = None) -> bytes:
         data = data.resolve_conj().resolve_neg()
     if not data.is_contiguous():
         data = data.contiguous()
+    if data.data_ptr() % 4:  # a view at an odd byte offset: both paths read aligned words
+        data = data.clone()
     nbytes = data.numel() * data.element_size()
     if data.device.type == "cpu" and (KERNEL if kernel is None else kernel):
         if _kernel is None:
@@ -176,8 +178,6 @@ def chunk_sums(tensor: torch.Tensor, *, kernel: bool | None = None) -> bytes:
                 "the digest's C kernel (agent._digest) was not built: reinstall cohortgate "
                 "where a C compiler and the Python headers are present"
             )
-        if data.data_ptr() % 4:  # a byte-offset view: the kernel reads aligned 32-bit words
-            data = data.clone()
         return _kernel_sums(_kernel, data.data_ptr(), nbytes)
     flat = data.reshape(-1).view(torch.uint8)
     out = torch.empty((-(-nbytes // CHUNK_BYTES), LANES), dtype=torch.int64, device=flat.device)

@@ -86,6 +86,23 @@ def test_tails_and_chunk_edges(nbytes: int) -> None:
     )
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_empty_and_zero_dim_tensors(kernel: bool) -> None:
+    # an empty parameter, and BatchNorm's 0-dim num_batches_tracked buffer
+    net = nn.Module()
+    net.empty = nn.Parameter(torch.empty(0, 3))
+    net.bn = nn.BatchNorm1d(3)
+    digests = [tensor_digest(n, t, kernel=kernel) for n, t in net.state_dict().items()]
+    assert digests == [d for _, d in weight_digests(net)]
+    assert sums_of(torch.empty(0, 5), kernel=kernel).shape == (0, 2)
+    # the shape is part of the identity even when there are no bytes
+    assert tensor_digest("e", torch.empty(0, 5), kernel=kernel) != tensor_digest(
+        "e", torch.empty(5, 0), kernel=kernel
+    )
+    scalar = torch.tensor(7, dtype=torch.int64)
+    assert np.array_equal(sums_of(scalar, kernel=kernel), reference_sums(scalar))
+
+
 def test_views_digest_their_values_and_meta_tensors_are_refused() -> None:
     t = torch.randn(64, 32)
     assert tensor_digest("t", t.t()) == tensor_digest("t", t.t().contiguous())
@@ -169,9 +186,12 @@ def test_the_kernel_rejects_buffers_of_the_wrong_size() -> None:
         _digest.chunk_sums(0, 4, keys, bytearray(16))
     with pytest.raises(TypeError):
         _digest.chunk_sums(at, 4, keys, b"read-only out...")
-    # and a byte-offset view of a tensor (not 4-byte aligned) is digested through a copy
+    # and views at odd byte offsets (not 4-byte aligned) are digested through a copy
     u = torch.randint(0, 255, (4 * CHUNK + 9,), dtype=torch.uint8)
-    assert np.array_equal(sums_of(u[1:]), reference_sums(u[1:]))
+    h = torch.randn(3 * CHUNK).to(torch.bfloat16)
+    for view in (u[1:], u[2:-1], h[1:]):
+        for kernel in (True, False):
+            assert np.array_equal(sums_of(view, kernel=kernel), reference_sums(view))
 
 
 # -- the coordinator's check -------------------------------------------------------------
