@@ -194,17 +194,42 @@ def tensor_digest(name: str, tensor: torch.Tensor, *, kernel: bool | None = None
     return h.digest()
 
 
+def _local(tensor: Any) -> Any:
+    """What this rank holds of `tensor`: a DTensor's local shard (FSDP2, tensor parallel),
+    else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _undigestable(tensor: Any) -> str | None:
+    """Why `tensor`'s values cannot be read as bytes here, or None."""
+    import torch
+
+    if tensor.is_meta:
+        return (
+            "it is a meta tensor (no values yet); materialise the weights before joining "
+            "with verify_values=True"
+        )
+    if tensor.layout != torch.strided:
+        return f"its layout is {tensor.layout}; only dense (strided) tensors are digested"
+    if tensor.numel() and not tensor.data_ptr():
+        return (
+            f"a {type(tensor).__name__} holds no storage of its own (a wrapper subclass); "
+            "digest the plain tensors it wraps, or join without verify_values"
+        )
+    return None
+
+
 def weight_digests(module: torch.nn.Module) -> list[tuple[str, bytes]]:
     """(name, digest) of every parameter and buffer in manifest order (aliases of a tied
-    tensor digest like the tensor they alias)."""
+    tensor digest like the tensor they alias; a DTensor by its local shard)."""
     from agent.signature import walk
 
     out = []
     for name, tensor in walk(module):
-        if tensor.is_meta:
-            raise ManifestError(
-                f"cannot digest '{name}': it is a meta tensor (no values yet); materialise "
-                "the weights before joining with verify_values=True"
-            )
-        out.append((name, tensor_digest(name, tensor)))
+        local = _local(tensor)
+        problem = _undigestable(local)
+        if problem is not None:
+            raise ManifestError(f"cannot digest '{name}': {problem}")
+        out.append((name, tensor_digest(name, local)))
     return out

@@ -103,6 +103,49 @@ def test_empty_and_zero_dim_tensors(kernel: bool) -> None:
     assert np.array_equal(sums_of(scalar, kernel=kernel), reference_sums(scalar))
 
 
+def test_dtensors_digest_their_local_shard() -> None:
+    """FSDP2 and tensor-parallel parameters are DTensors: each rank digests what it holds
+    (on a one-rank gloo mesh here, since a DTensor needs a process group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    w, b = torch.randn(8, 4), torch.randn(4)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        net = nn.Module()
+        net.w = nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+        net.b = nn.Parameter(distribute_tensor(b, mesh, [Replicate()]))
+        digests = weight_digests(net)
+    finally:
+        dist.destroy_process_group()
+    assert digests == [("w", tensor_digest("w", w)), ("b", tensor_digest("b", b))]
+
+
+class _NoStorage(torch.Tensor):
+    """A wrapper subclass with no storage of its own (as some quantisation libraries make)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _NoStorage:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined,no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(func)
+
+
+def test_tensors_whose_bytes_cannot_be_read_are_refused_by_name() -> None:
+    sparse = nn.Module()
+    sparse.s = nn.Parameter(torch.randn(4, 4).to_sparse())
+    with pytest.raises(ManifestError, match=r"cannot digest 's': its layout is torch\.sparse_coo"):
+        weight_digests(sparse)
+    wrapped = nn.Module()
+    wrapped.register_buffer("q", _NoStorage(torch.zeros(3)))
+    with pytest.raises(ManifestError, match="cannot digest 'q': a _NoStorage holds no storage"):
+        weight_digests(wrapped)
+
+
 def test_views_digest_their_values_and_meta_tensors_are_refused() -> None:
     t = torch.randn(64, 32)
     assert tensor_digest("t", t.t()) == tensor_digest("t", t.t().contiguous())
