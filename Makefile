@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt agent/_digest.c
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -e .
+	@$(PY) -c "import agent._digest" 2>/dev/null || echo "warning: the weight digest's C kernel" \
+	  "(agent/_digest.c) was not built (no C compiler or Python headers?): CPU digests use" \
+	  "torch ops, ~5x slower, and the suite's kernel test fails" >&2
 	touch $(STAMP)
 
 ## demo: a coordinator plus a real 4-rank torchrun job that forms, then one that is refused
