@@ -92,12 +92,14 @@ def _threads(nbytes: int) -> int:
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of at least `workers` threads (grown when torch's count grows)."""
-    if not _POOL or _POOL[0][0] < workers:
-        if _POOL:
-            _POOL.pop()[1].shutdown(wait=False)
-        _POOL.append((workers, ThreadPoolExecutor(workers, thread_name_prefix="cohortgate-digest")))
-    return _POOL[0][1]
+    """A process-wide pool of at least `workers` threads (replaced by a bigger one when
+    torch's thread count grows; the old one is not shut down, since another thread may be
+    submitting to it: its idle threads exit once it is no longer referenced)."""
+    current = _POOL[-1] if _POOL else None
+    if current is None or current[0] < workers:
+        current = (workers, ThreadPoolExecutor(workers, thread_name_prefix="cohortgate-digest"))
+        _POOL[:] = [current]
+    return current[1]
 
 
 def _kernel_sums(kernel: ModuleType, address: int, nbytes: int) -> bytes:
