@@ -28,6 +28,7 @@ device, in cache-sized blocks. No copy of the weights leaves their device.
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -63,6 +64,7 @@ KERNEL: bool = _kernel is not None
 
 _KEYS: dict[Any, Any] = {}
 _POOL: list[tuple[int, ThreadPoolExecutor]] = []
+_WARNED: list[bool] = []  # the slow-path warning, once per process
 
 
 def _key_bytes() -> bytes:
@@ -181,6 +183,13 @@ def chunk_sums(tensor: torch.Tensor, *, kernel: bool | None = None) -> bytes:
                 "where a C compiler and the Python headers are present"
             )
         return _kernel_sums(_kernel, data.data_ptr(), nbytes)
+    if data.device.type == "cpu" and kernel is None and not _WARNED:
+        _WARNED.append(True)
+        logging.getLogger("cohortgate.agent").warning(
+            "weight digests of CPU tensors use torch ops, ~5x slower than the C kernel "
+            "(agent._digest), which this install lacks: reinstall cohortgate where a C "
+            "compiler and the Python headers are present"
+        )
     flat = data.reshape(-1).view(torch.uint8)
     out = torch.empty((-(-nbytes // CHUNK_BYTES), LANES), dtype=torch.int64, device=flat.device)
     _torch_sums(flat, out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -211,6 +212,24 @@ def test_the_cpu_kernel_is_built_and_splits_big_tensors_across_threads() -> None
             assert changed.tolist() == [i // (4 * CHUNK)], i
     finally:
         torch.set_num_threads(threads)
+
+
+def test_without_the_kernel_cpu_digests_are_the_same_and_say_so_once() -> None:
+    # A process where agent._digest cannot be imported, as on an install without a compiler.
+    script = (
+        "import sys; sys.modules['agent._digest'] = None\n"
+        "import torch\n"
+        "from agent.digest import KERNEL, tensor_digest\n"
+        "assert not KERNEL\n"
+        "t = torch.arange(10000, dtype=torch.float32)\n"
+        "print(tensor_digest('w', t).hex(), tensor_digest('w', t).hex())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    expected = tensor_digest("w", torch.arange(10000, dtype=torch.float32)).hex()
+    assert done.stdout.split() == [expected, expected]
+    assert done.stderr.count("use torch ops, ~5x slower than the C kernel") == 1, done.stderr
 
 
 def test_the_kernel_rejects_buffers_of_the_wrong_size() -> None:
