@@ -204,23 +204,13 @@ def run_cohortgate(
         try:
             addr = f"127.0.0.1:{port}"
             cpu0, _ = _proc_cpu_rss(server.pid)
-            ctx = mp.get_context("spawn")
-            out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-            workers = [
-                ctx.Process(
-                    target=_client_proc,
-                    args=(addr, f"bench-{n}", s, relay > 1, n, entries, signatures, ready, go, out),
-                )
-                for s in _groups(n, relay, procs)
-            ]
-            for w in workers:
-                w.start()
-            for _ in workers:
-                ready.get(timeout=300)
-            go.set()
-            results = [out.get(timeout=600) for _ in workers]
-            for w in workers:
-                w.join(timeout=60)
+            results = _workers(
+                _client_proc,
+                [
+                    (addr, f"bench-{n}", s, relay > 1, n, entries, signatures)
+                    for s in _groups(n, relay, procs)
+                ],
+            )
             cpu1, hwm = _proc_cpu_rss(server.pid)
         finally:
             os.killpg(server.pid, signal.SIGKILL)
@@ -280,12 +270,12 @@ def _threads(
     out.put({"first_sent": min(sent), "last_sent": max(sent), "last_verdict": max(done)})
 
 
-def _drive(system: str, n: int, procs: int, target: Any, *args: Any) -> dict[str, Any]:
-    """target(*args, share, ready, go, out) in `procs` processes; the timings of the run."""
+def _workers(target: Any, arg_lists: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """target(*args, ready, go, out) in a process per entry of `arg_lists`, released at once
+    when all are ready; what each put on `out`."""
     ctx = mp.get_context("spawn")
     out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    shares = [list(range(i, n, procs)) for i in range(procs)]
-    workers = [ctx.Process(target=target, args=(*args, s, ready, go, out)) for s in shares]
+    workers = [ctx.Process(target=target, args=(*args, ready, go, out)) for args in arg_lists]
     for w in workers:
         w.start()
     for _ in workers:
@@ -294,6 +284,12 @@ def _drive(system: str, n: int, procs: int, target: Any, *args: Any) -> dict[str
     results = [out.get(timeout=600) for _ in workers]
     for w in workers:
         w.join(timeout=60)
+    return results
+
+
+def _drive(system: str, n: int, procs: int, target: Any, *args: Any) -> dict[str, Any]:
+    """target(*args, share, ready, go, out) in `procs` processes; the timings of the run."""
+    results = _workers(target, [(*args, list(range(i, n, procs))) for i in range(procs)])
     first = min(r["first_sent"] for r in results)
     done = max(r["last_verdict"] for r in results)
     return {
