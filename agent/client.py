@@ -166,60 +166,23 @@ def join(
             delay = min(delay * 2, opts.backoff_max_s)
 
 
-def _upload(
-    stub: pb_grpc.CohortServiceStub,
+def _answer(
+    rpc: Callable[..., object],
+    request: pb.UploadManifestRequest | pb.UploadDigestsRequest,
+    what: str,
     identity: RankIdentity,
-    manifest: Manifest,
-    round_: int,
     timeout: float,
-    metadata: Sequence[tuple[str, str]] = (),
+    metadata: Sequence[tuple[str, str]],
 ) -> None:
-    """Answer a manifest request. A refused upload is not the end: the coordinator refuses
-    the whole cohort for it, and this rank waits on its join to receive that verdict too."""
+    """Answer a manifest or digest request. A refused upload is not the end: the coordinator
+    refuses the whole cohort for it, and this rank waits on its join to receive that verdict
+    too."""
     try:
-        stub.UploadManifest(
-            pb.UploadManifestRequest(
-                job_id=identity.job_id,
-                round=round_,
-                rank=identity.rank,
-                incarnation=identity.incarnation,
-                signature=manifest.signature(),
-                manifest=wire.manifest_to_pb(manifest),
-            ),
-            timeout=min(timeout, 60.0),
-            metadata=metadata,
-        )
+        rpc(request, timeout=min(timeout, 60.0), metadata=metadata)
     except grpc.RpcError as exc:
         if exc.code() in RETRYABLE:
             raise  # the join is retried and the coordinator asks again
-        _say(f"rank {identity.rank}: the coordinator refused our manifest: {exc.details()}")
-
-
-def _upload_digests(
-    stub: pb_grpc.CohortServiceStub,
-    identity: RankIdentity,
-    digests: Sequence[bytes],
-    round_: int,
-    timeout: float,
-    metadata: Sequence[tuple[str, str]] = (),
-) -> None:
-    """Answer a digest request (this rank's weights differ from another replica's)."""
-    try:
-        stub.UploadDigests(
-            pb.UploadDigestsRequest(
-                job_id=identity.job_id,
-                round=round_,
-                rank=identity.rank,
-                incarnation=identity.incarnation,
-                digests=list(digests),
-            ),
-            timeout=min(timeout, 60.0),
-            metadata=metadata,
-        )
-    except grpc.RpcError as exc:
-        if exc.code() in RETRYABLE:
-            raise
-        _say(f"rank {identity.rank}: the coordinator refused our digests: {exc.details()}")
+        _say(f"rank {identity.rank}: the coordinator refused our {what}: {exc.details()}")
 
 
 def _stream(
@@ -239,11 +202,25 @@ def _stream(
             verdict: pb.Verdict = event.verdict
             return verdict
         if kind == "manifest_request":
-            _upload(stub, identity, manifest, event.manifest_request.round, timeout, metadata)
-        elif kind == "digest_request":
-            _upload_digests(
-                stub, identity, digests or (), event.digest_request.round, timeout, metadata
+            upload = pb.UploadManifestRequest(
+                job_id=identity.job_id,
+                round=event.manifest_request.round,
+                rank=identity.rank,
+                incarnation=identity.incarnation,
+                signature=manifest.signature(),
+                manifest=wire.manifest_to_pb(manifest),
             )
+            _answer(stub.UploadManifest, upload, "manifest", identity, timeout, metadata)
+        elif kind == "digest_request":
+            # this rank's weights differ from another replica's: name the tensors
+            answer = pb.UploadDigestsRequest(
+                job_id=identity.job_id,
+                round=event.digest_request.round,
+                rank=identity.rank,
+                incarnation=identity.incarnation,
+                digests=list(digests or ()),
+            )
+            _answer(stub.UploadDigests, answer, "digests", identity, timeout, metadata)
         elif kind == "progress":
             progress = event.progress
             request.round = progress.round  # a reconnect re-joins this round, not a new one
