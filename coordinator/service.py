@@ -338,10 +338,10 @@ class Coordinator:
             if kind != cohort.last_reason:
                 cohort.last_reason = kind
                 log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
-            for rank, incarnation in cohort.digests_asked.values():
-                member = cohort.state.members.get(rank)
-                if member is not None and member.incarnation == incarnation:
-                    self._poke(cohort, member)
+            for asked in cohort.digests_asked.values():
+                holder = cohort.holder(asked)
+                if holder is not None:
+                    self._poke(cohort, holder)
             if (
                 decision.awaiting_manifests or decision.awaiting_digests
             ) and cohort.state.complete_at is not None:

@@ -62,6 +62,13 @@ class Cohort:
     def round(self) -> int:
         return self.state.round
 
+    def holder(self, asked: tuple[int, str] | None) -> Member | None:
+        """The member still holding an ask's (rank, incarnation), or None if it left."""
+        if asked is None:
+            return None
+        member = self.state.members.get(asked[0])
+        return member if member is not None and member.incarnation == asked[1] else None
+
 
 @dataclass
 class Job:
@@ -203,11 +210,7 @@ class Registry:
     def _needs_uploader(self, cohort: Cohort, signature: bytes) -> bool:
         if signature in cohort.state.manifests:
             return False
-        asked = cohort.asked.get(signature)
-        if asked is None:
-            return True
-        holder = cohort.state.members.get(asked[0])
-        return holder is None or holder.incarnation != asked[1]
+        return cohort.holder(cohort.asked.get(signature)) is None
 
     # -- departures --------------------------------------------------------------------
     def leave(self, cohort: Cohort, member: Member) -> Member | None:
@@ -304,11 +307,8 @@ class Registry:
         """One representative per weights digest (its lowest rank) is asked for its list."""
         members = cohort.state.members
         for digest in wanted:
-            asked = cohort.digests_asked.get(digest)
-            if asked is not None:
-                holder = members.get(asked[0])
-                if holder is not None and holder.incarnation == asked[1]:
-                    continue
+            if cohort.holder(cohort.digests_asked.get(digest)) is not None:
+                continue
             rank = min(r for r, m in members.items() if m.weights_digest == digest)
             cohort.digests_asked[digest] = (rank, members[rank].incarnation)
 
