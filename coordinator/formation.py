@@ -17,7 +17,7 @@ from coordinator.layered import (
     layout_findings,
     runtime_findings,
 )
-from coordinator.layout import AXES, Layout
+from coordinator.layout import Layout
 from coordinator.manifest import Manifest
 
 
@@ -203,7 +203,7 @@ def replica_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
     for rank, m in cohort.members.items():
         assert m.layout is not None
         key = m.layout.replica_key
-        labels[key] = " ".join(f"{a}={m.layout.position.get(a, 0)}" for a in AXES if a != "dp")
+        labels[key] = m.layout.replica_label
         groups.setdefault(key, {}).setdefault(m.signature, set()).add(rank)
     out: list[SignatureClass] = []
     for key in sorted(groups, key=lambda k: min(r for s in groups[k].values() for r in s)):
@@ -354,11 +354,7 @@ def weight_classes(cohort: CohortState) -> dict[str, dict[bytes, list[int]]]:
         m = cohort.members[rank]
         if not m.weights_digest:
             continue
-        label = (
-            " ".join(f"{a}={m.layout.position.get(a, 0)}" for a in AXES if a != "dp")
-            if m.layout is not None
-            else ""
-        )
+        label = m.layout.replica_label if m.layout is not None else ""
         groups.setdefault(label, {}).setdefault(m.weights_digest, []).append(rank)
     return groups
 

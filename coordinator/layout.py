@@ -87,6 +87,11 @@ class Layout:
         return tuple(self.position.get(a, 0) for a in AXES if a != "dp")
 
     @property
+    def replica_label(self) -> str:
+        """The replica group as reports name it: "tp=1 pp=0 ..." (every axis but dp)."""
+        return " ".join(f"{a}={self.position.get(a, 0)}" for a in AXES if a != "dp")
+
+    @property
     def position_key(self) -> tuple[int, ...]:
         return tuple(self.position.get(a, 0) for a in AXES)
 
