@@ -184,3 +184,40 @@ def test_a_replica_missing_a_tensor_is_named() -> None:
     assert any(
         "replica dp=1 declares no piece of 'layers.0.fc2.bias'" in f.text for f in d.findings
     ), d.findings
+
+
+def test_weights_are_compared_within_each_replica_group_only() -> None:
+    """Shards at different positions hold different weights by design; only ranks of one
+    replica group (differing in dp alone) must agree."""
+    import hashlib
+
+    layouts = {r: mesh_layout(r) for r in range(8)}
+    state = cohort(layouts)
+
+    def digest(key: object) -> bytes:
+        return hashlib.sha256(repr(key).encode()).digest()
+
+    for r, m in state.members.items():
+        m.weights_digest = digest(layouts[r].replica_key)
+    strict = FormationOptions(policies=Policies.parse(["weights=strict"]))
+    d = decide(state, 1.0, strict)
+    assert d.outcome is Outcome.FORMED, d.reason
+
+    peer = next(r for r in range(8) if r != 3 and layouts[r].replica_key == layouts[3].replica_key)
+    state.members[3].weights_digest = digest("stale checkpoint")
+    d = decide(state, 1.0, strict)
+    assert d.outcome is Outcome.WAITING  # for one list per digest class of that group only
+    assert set(d.awaiting_digests) == {
+        state.members[peer].weights_digest,
+        digest("stale checkpoint"),
+    }
+    state.tensor_digests[state.members[peer].weights_digest] = (digest("a"),)
+    state.tensor_digests[digest("stale checkpoint")] = (digest("b"),)
+    d = decide(state, 1.0, strict)
+    assert d.outcome is Outcome.REFUSED and d.cause is Cause.WEIGHTS
+    (finding,) = [f for f in d.findings if f.check == "weights"]
+    assert finding.text == (
+        "replica group tp=1 cp=0 ep=0 pp=0: 1 rank(s) [3] on node0 hold other weights than "
+        "ranks [1]: 1 of 1 tensors differ, first 'fc1.weight'"
+    )
+    assert peer == 1
