@@ -27,6 +27,7 @@ device, in cache-sized blocks. No copy of the weights leaves their device.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import struct
@@ -62,11 +63,12 @@ except ImportError:  # pragma: no cover - depends on the install
 KERNEL: bool = _kernel is not None
 """Whether CPU tensors are digested by the fused C kernel (else by torch ops, ~5x slower)."""
 
-_KEYS: dict[Any, Any] = {}
+_KEYS: dict[Any, torch.Tensor] = {}  # per device
 _POOL: list[tuple[int, ThreadPoolExecutor]] = []
 _WARNED: list[bool] = []  # the slow-path warning, once per process
 
 
+@functools.cache
 def _key_bytes() -> bytes:
     """LANES * CHUNK little-endian uint32 keys, from SHA-256 in counter mode."""
     return b"".join(
@@ -107,9 +109,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def _kernel_sums(kernel: ModuleType, address: int, nbytes: int) -> bytes:
     """The C kernel over `nbytes` at `address` (a contiguous CPU tensor the caller holds), in
     whole chunks per thread (the kernel releases the GIL), this thread taking the first."""
-    keys = _KEYS.get("kernel")
-    if keys is None:
-        keys = _KEYS["kernel"] = _key_bytes()
+    keys = _key_bytes()
     rows = -(-nbytes // CHUNK_BYTES)
     out = bytearray(rows * LANES * 8)
     per = max(1, -(-rows // _threads(nbytes)))  # rows is 0 for an empty tensor
