@@ -48,6 +48,10 @@ class JoinOptions:
     # (it drops a dead rank within its grace, 15 s by default): ALREADY_EXISTS is retried
     # this long before it is taken for what it then is, two live processes on one rank.
     held_retry_s: float = 20.0
+    # An unreachable coordinator is reported (rank 0 on stderr, the others at debug) once
+    # it has failed this long, then this often while the agent keeps retrying.
+    unreachable_after_s: float = 3.0
+    unreachable_every_s: float = 30.0
 
 
 def _say(message: str) -> None:
@@ -102,6 +106,7 @@ def join(
         manifest_entries=len(manifest),
         runtime=runtime,
         init_method=init_method,
+        launch=identity.launch,
         # Rank 0 reports progress; the others need only the first event and the verdict.
         quiet=identity.rank != 0 and on_progress is None,
     )
@@ -115,6 +120,7 @@ def join(
     give_up_at = started + opts.timeout_s
     delay = opts.backoff_initial_s
     last_error = ""
+    reach = _Reachability(identity, give_up_at, opts)
     security = ClientSecurity.from_env()
     with security.channel(
         identity.addr,
@@ -124,16 +130,29 @@ def join(
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # Reconnect on our own backoff's schedule, not grpc's (up to 120 s), so a
+            # coordinator that comes up is found within seconds.
+            ("grpc.initial_reconnect_backoff_ms", int(opts.backoff_initial_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(opts.backoff_initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(opts.backoff_max_s * 1000)),
         ],
     ) as channel:
         stub = pb_grpc.CohortServiceStub(channel)
         while True:
             remaining = give_up_at - time.monotonic()
             if remaining <= 0:
+                if reach.failing_since is not None:
+                    raise CohortgateError(
+                        f"cannot reach the cohortgate coordinator at {identity.addr}: "
+                        f"{reach.last} (for {time.monotonic() - reach.failing_since:.0f}s, "
+                        f"giving up after {opts.timeout_s:g}s); check that it runs and that "
+                        "COHORTGATE_ADDR points at it",
+                        grpc.StatusCode.UNAVAILABLE,
+                    )
                 raise CohortgateError(
                     f"no verdict from the cohortgate coordinator at {identity.addr} within "
-                    f"{opts.timeout_s:g}s (last error: {last_error or 'none'}); check that it "
-                    "runs and that COHORTGATE_ADDR points at it"
+                    f"{opts.timeout_s:g}s (last error: {last_error or 'none'}); check its "
+                    "log and `cohortgate status`"
                 )
             try:
                 return _stream(
@@ -145,6 +164,7 @@ def join(
                     on_progress,
                     security.metadata,
                     digests,
+                    reach,
                 )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details()
@@ -160,10 +180,67 @@ def join(
                         f"rank {identity.rank}: {code.name}: {details}",
                         code,
                     ) from None
+                else:
+                    reach.failed(details or code.name)
                 last_error = f"{code.name}: {details}"
             # Full jitter: 4,096 ranks reconnecting at once must not arrive in lockstep.
             time.sleep(min(random.uniform(0, delay), max(give_up_at - time.monotonic(), 0)))
             delay = min(delay * 2, opts.backoff_max_s)
+
+
+def _transport(details: str) -> str:
+    """grpc's long UNAVAILABLE text -> what went wrong, in words."""
+    for needle, words in (
+        ("Connection refused", "connection refused (nothing listens there)"),
+        ("Domain name not found", "host name not found"),
+        ("lookup", "host name not found"),
+        ("Connection reset", "connection reset"),
+        ("timed out", "connection timed out"),
+        ("Timeout", "connection timed out"),
+        ("No route to host", "no route to host"),
+        ("shutting down", "the coordinator is shutting down"),
+    ):
+        if needle in details:
+            return words
+    return details
+
+
+class _Reachability:
+    """Says on stderr, early and then now and then, that the coordinator cannot be reached:
+    silence until COHORTGATE_TIMEOUT (15 minutes) looks exactly like a hang."""
+
+    def __init__(self, identity: RankIdentity, give_up_at: float, opts: JoinOptions) -> None:
+        self.identity = identity
+        self.give_up_at = give_up_at
+        self.opts = opts
+        self.failing_since: float | None = None
+        self.last = ""
+        self.said_at: float | None = None
+
+    def failed(self, details: str) -> None:
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+        self.last = _transport(details)
+        if now - self.failing_since < self.opts.unreachable_after_s:
+            return
+        if self.said_at is not None and now - self.said_at < self.opts.unreachable_every_s:
+            return
+        self.said_at = now
+        until = time.strftime("%H:%M:%S", time.localtime(time.time() + self.give_up_at - now))
+        message = (
+            f"cannot reach the cohortgate coordinator at {self.identity.addr}: {self.last}; "
+            f"retrying until {until} (COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
+        )
+        if self.identity.rank == 0:
+            _say(message)
+        else:
+            logger.debug("rank %d: %s", self.identity.rank, message)
+
+    def reached(self) -> None:
+        if self.said_at is not None and self.identity.rank == 0:
+            _say(f"reached the cohortgate coordinator at {self.identity.addr}")
+        self.failing_since = self.said_at = None
 
 
 def _answer(
@@ -194,9 +271,15 @@ def _stream(
     on_progress: Callable[[pb.Progress], None] | None,
     metadata: Sequence[tuple[str, str]] = (),
     digests: Sequence[bytes] | None = None,
+    reach: _Reachability | None = None,
 ) -> pb.Verdict:
     last_said = float("-inf")
-    for event in stub.Join(request, timeout=timeout, wait_for_ready=True, metadata=metadata):
+    # Not wait_for_ready: an unreachable coordinator must fail the call at once, so that
+    # the loop above can say so and retry, instead of blocking silently until the deadline.
+    for event in stub.Join(request, timeout=timeout, metadata=metadata):
+        if reach is not None:
+            reach.reached()
+            reach = None
         kind = event.WhichOneof("event")
         if kind == "verdict":
             verdict: pb.Verdict = event.verdict

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from agent.client import CohortgateError, JoinOptions
+from agent.client import JoinOptions
 from agent.client import join as client_join
-from agent.torchrun import RankIdentity, free_port, write_error_file
+from agent.torchrun import RankIdentity, free_port, torchrun_store, write_error_file
 from coordinator.layout import Layout, LayoutBuilder
 
 if TYPE_CHECKING:
@@ -32,14 +33,22 @@ class Cohort:
     round: int
 
     def store(self, timeout: timedelta = timedelta(minutes=10)) -> Store:
-        """The cohort's rendezvous store: rank 0 hosts it at init_method, the others connect.
+        """The cohort's rendezvous store, for init_process_group(store=...).
 
-        Use this (or agent.init_process_group) rather than init_method= under torchrun:
-        torchrun sets TORCHELASTIC_USE_AGENT_STORE, which makes init_process_group expect
-        torchrun's own store at the endpoint, so nobody would host the cohort's.
+        Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True), the store torchrun's agent
+        already hosts at MASTER_ADDR:MASTER_PORT, under a prefix only the formed cohort knows
+        (its cohort id). The agent outlives its workers, so no worker's exit can pull the
+        store from under the others' teardown (rank 0 hosting it made one run in eight abort
+        with "terminate called without an active exception"). Elsewhere rank 0 hosts a
+        TCPStore at init_method and the others connect.
         """
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+        agent_store = torchrun_store()
+        if agent_store is not None:
+            host, port = agent_store
+            client = TCPStore(host, port, is_master=False, timeout=timeout)
+            return PrefixStore(f"cohortgate/{self.cohort_id}/", client)
         parsed = urlparse(self.init_method)
         if parsed.hostname is None or parsed.port is None:
             raise ValueError(f"init_method {self.init_method!r} is not tcp://HOST:PORT")
@@ -91,6 +100,26 @@ def join(
     one signature for all ranks. Returns the formed cohort, or prints the refusal report to stderr,
     writes it to TORCHELASTIC_ERROR_FILE and raises CohortRefused.
     """
+    try:
+        return _join(model, job_id, addr, timeout_s, layout, verify_values)
+    except CohortRefused:
+        raise  # its report is on stderr and in the error file already
+    except Exception as exc:
+        # Whatever stopped the join (a bad environment, an unreachable coordinator, a
+        # tensor the manifest cannot read) reaches torchrun's Root Cause, not only stderr.
+        summary = f"{type(exc).__name__}: {exc}"
+        write_error_file(os.environ.get("TORCHELASTIC_ERROR_FILE"), summary, summary)
+        raise
+
+
+def _join(
+    model: torch.nn.Module,
+    job_id: str | None,
+    addr: str | None,
+    timeout_s: float | None,
+    layout: Layout | LayoutBuilder | None,
+    verify_values: bool,
+) -> Cohort:
     from agent.client import runtime_facts
     from agent.signature import manifest as build_manifest
     from coordinator.api.v1 import cohort_pb2 as pb
@@ -109,19 +138,15 @@ def join(
         layout.pieces.extend(dtensor_pieces(model, skip=declared))
     init_method = f"tcp://{identity.endpoint_host}:{free_port()}" if identity.rank == 0 else ""
     options = JoinOptions() if timeout_s is None else JoinOptions(timeout_s=timeout_s)
-    try:
-        verdict = client_join(
-            identity,
-            manifest,
-            init_method=init_method,
-            runtime=runtime_facts(_device_type(model)),
-            options=options,
-            layout=layout.build() if isinstance(layout, LayoutBuilder) else layout,
-            digests=digests,
-        )
-    except CohortgateError as exc:
-        write_error_file(identity.error_file, f"CohortgateError: {exc}", str(exc))
-        raise
+    verdict = client_join(
+        identity,
+        manifest,
+        init_method=init_method,
+        runtime=runtime_facts(_device_type(model)),
+        options=options,
+        layout=layout.build() if isinstance(layout, LayoutBuilder) else layout,
+        digests=digests,
+    )
     if verdict.outcome == pb.Verdict.OUTCOME_FORMED:
         return Cohort(
             job_id=verdict.job_id,
@@ -132,9 +157,22 @@ def join(
             round=verdict.round,
         )
     report = verdict.refusal.report
-    header = f"[cohortgate] rank {identity.rank} on {identity.host}: cohort refused"
-    print(f"{header}\n{report}", file=sys.stderr, flush=True)
-    write_error_file(identity.error_file, f"CohortRefused: {verdict.reason}", report)
+    headline = verdict.refusal.headline or verdict.reason
+    # One line per rank, the full report once per node (local rank 0): 4 ranks each
+    # printing it, then torchrun's summary, buried the one line that matters.
+    said = f"[cohortgate] rank {identity.rank} on {identity.host}: cohort refused: {headline}"
+    if identity.local_rank == 0:
+        said += f"\n{report}"
+    print(said, file=sys.stderr, flush=True)
+    # torchrun's summary shows every failed rank's error file: the report once (local
+    # rank 0), the others name the culprits and say where the report is.
+    body = (
+        report
+        if identity.local_rank == 0
+        else f"(the full report: stderr of local rank 0 on {identity.host}, or `cohortgate "
+        f"explain {verdict.job_id} {verdict.round}`)"
+    )
+    write_error_file(identity.error_file, f"CohortRefused: {headline}", f"{headline}\n{body}")
     raise CohortRefused(verdict.reason, report, verdict)
 
 

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DEFAULT_ADDR = "127.0.0.1:7070"
+from coordinator.addr import DEFAULT_ADDR, split_host_port
 
 
 class AgentConfigError(RuntimeError):
@@ -47,6 +47,7 @@ class RankIdentity:
     addr: str
     error_file: str | None
     endpoint_host: str
+    launch: str = ""
 
     @classmethod
     def from_env(
@@ -68,6 +69,12 @@ class RankIdentity:
         world_size = _int(env, "WORLD_SIZE")
         if not 0 <= rank < world_size:
             raise AgentConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+        coordinator = addr or env.get("COHORTGATE_ADDR") or DEFAULT_ADDR
+        try:
+            split_host_port(coordinator)
+        except ValueError as exc:
+            where = "addr=" if addr else "COHORTGATE_ADDR="
+            raise AgentConfigError(f"{where}{coordinator!r}: {exc}") from None
         host = socket.gethostname()
         return cls(
             job_id=job,
@@ -78,10 +85,36 @@ class RankIdentity:
             pid=os.getpid(),
             incarnation=uuid.uuid4().hex,
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-            addr=addr or env.get("COHORTGATE_ADDR") or DEFAULT_ADDR,
+            addr=coordinator,
             error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
             endpoint_host=env.get("COHORTGATE_ENDPOINT_HOST") or env.get("MASTER_ADDR") or host,
+            launch=launch_of(env, host),
         )
+
+
+def launch_of(env: Mapping[str, str], host: str) -> str:
+    """Which launch of the job this process belongs to, the same on every node of it:
+    COHORTGATE_LAUNCH, else torchrun's store endpoint (MASTER_ADDR:MASTER_PORT, shared by
+    all nodes of one launch; two launches that reuse a job id have different ones). A
+    static launch with --master-port 0 (one node) is named by its torchrun process."""
+    if env.get("COHORTGATE_LAUNCH"):
+        return env["COHORTGATE_LAUNCH"]
+    if not env.get("TORCHELASTIC_RUN_ID"):
+        return ""  # not under torchrun: nothing to tell launches apart by
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if addr and port and port != "0":
+        return f"{addr}:{port}"
+    return f"{host}/torchrun-{os.getppid()}"
+
+
+def torchrun_store(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """(host, port) of the store torchrun's agent hosts for its workers, when it shares one."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    # A static launch with --master-port 0 hands its workers port 0: no store is there.
+    return (host, int(port)) if host and port.isdigit() and int(port) else None
 
 
 def free_port(host: str = "") -> int:

@@ -5,19 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from coordinator import ops_cli
-from coordinator.config import DEFAULT_ADDR, ServeConfig, from_env_and_flags
-from coordinator.spawn import spawn
+from coordinator.addr import DEFAULT_ADDR, split_host_port
+from coordinator.config import ServeConfig, from_env_and_flags
+from coordinator.run_cli import cmd_run
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -119,6 +116,12 @@ def cmd_relay(args: argparse.Namespace) -> int:
     if args.local_ranks < 1 or args.window < 0:
         print("cohortgate relay: --local-ranks must be >= 1 and --window >= 0", file=sys.stderr)
         return 2
+    try:
+        split_host_port(args.upstream)
+        split_host_port(args.listen)
+    except ValueError as exc:
+        print(f"cohortgate relay: {exc}", file=sys.stderr)
+        return 2
     logs.configure(args.log_format, args.log_level)
     try:
         asyncio.run(
@@ -148,7 +151,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config.check_exposure()
         config.check_tls()
         config.policies  # noqa: B018 (parsed now so a typo stops the start)
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = "--" + "-".join(str(x) for x in error["loc"]).replace("_", "-")
+            message = str(error["msg"]).removeprefix("Value error, ")
+            print(f"cohortgate serve: {where}: {message}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"cohortgate serve: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_format, config.log_level)
@@ -158,116 +167,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"cohortgate serve: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-RUN_USAGE = """\
-usage: cohortgate run [--coordinator HOST:PORT] [--no-relay] [--join-deadline S]
-                      [torchrun options] script.py [args]
-
-Start a coordinator beside torchrun on this node (or use --coordinator), set COHORTGATE_ADDR
-and COHORTGATE_JOB for the workers, run torchrun, and exit with its exit code.
-With --coordinator (a multi-node job), a relay is started on this node too and the workers
-join through it, so the coordinator holds one call per node; --no-relay joins directly.
-Everything after cohortgate's own options goes to torchrun unchanged.
-"""
-
-
-def _nproc_per_node(torchrun_argv: Sequence[str]) -> int | None:
-    """torchrun's --nproc-per-node (or --nproc_per_node) when it is a number."""
-    for i, arg in enumerate(torchrun_argv):
-        for flag in ("--nproc-per-node", "--nproc_per_node"):
-            value = None
-            if arg == flag and i + 1 < len(torchrun_argv):
-                value = torchrun_argv[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-            if value is not None:
-                return int(value) if value.isdigit() else None
-    return None
-
-
-def cmd_run(argv: Sequence[str]) -> int:
-    argv = list(argv)
-    coordinator: str | None = None
-    deadline: str | None = None
-    relay = True
-    while argv and argv[0] in ("--coordinator", "--join-deadline", "--no-relay", "-h", "--help"):
-        flag = argv.pop(0)
-        if flag in ("-h", "--help"):
-            print(RUN_USAGE)
-            return 0
-        if flag == "--no-relay":
-            relay = False
-            continue
-        if not argv:
-            print(f"cohortgate run: {flag} needs a value\n\n{RUN_USAGE}", file=sys.stderr)
-            return 2
-        if flag == "--coordinator":
-            coordinator = argv.pop(0)
-        else:
-            deadline = argv.pop(0)
-    if not argv:
-        print(f"cohortgate run: no training script given\n\n{RUN_USAGE}", file=sys.stderr)
-        return 2
-    env = dict(os.environ)
-    env.setdefault("COHORTGATE_JOB", f"run-{uuid.uuid4().hex[:12]}")
-    server: subprocess.Popen[bytes] | None = None
-    relay_proc: subprocess.Popen[bytes] | None = None
-    with tempfile.TemporaryDirectory(prefix="cohortgate-") as tmp:
-        try:
-            if coordinator is None:
-                flags = ["--metrics-listen", "127.0.0.1:0", "--log-format", "console"]
-                if deadline is not None:
-                    flags += ["--join-deadline", deadline]
-                server, port = spawn(Path(tmp) / "port", flags, stdout=sys.stderr)
-                coordinator = f"127.0.0.1:{port}"
-            elif relay:
-                local = _nproc_per_node(argv)
-                relay_proc, relay_port = spawn(
-                    Path(tmp) / "relay-port",
-                    [
-                        "--upstream",
-                        coordinator,
-                        "--listen",
-                        "127.0.0.1:0",
-                        "--log-format",
-                        "console",
-                        *(["--local-ranks", str(local)] if local else []),
-                    ],
-                    stdout=sys.stderr,
-                    command="relay",
-                )
-                print(f"[cohortgate] relay 127.0.0.1:{relay_port}", file=sys.stderr, flush=True)
-                coordinator = f"127.0.0.1:{relay_port}"
-                # The relay speaks TLS upstream; the workers reach it on loopback in clear.
-                for name in [k for k in env if k.startswith("COHORTGATE_TLS")]:
-                    del env[name]
-            env["COHORTGATE_ADDR"] = coordinator
-            print(
-                f"[cohortgate] coordinator {coordinator}, job {env['COHORTGATE_JOB']}",
-                file=sys.stderr,
-                flush=True,
-            )
-            torchrun = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", *argv], env=env
-            )
-            try:
-                return torchrun.wait()
-            except KeyboardInterrupt:
-                torchrun.send_signal(signal.SIGINT)
-                return torchrun.wait()
-        except RuntimeError as exc:
-            print(f"cohortgate run: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            for child in (relay_proc, server):
-                if child is not None and child.poll() is None:
-                    child.send_signal(signal.SIGTERM)
-                    try:
-                        child.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        child.kill()
-                        child.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,23 +10,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from coordinator.addr import DEFAULT_ADDR, split_host_port
 from coordinator.formation import FormationOptions
 from coordinator.layered import Policies
 from coordinator.limits import Limits
 
-DEFAULT_PORT = 7070
-DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
 DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"
 ENV_PREFIX = "COHORTGATE_"
-
-
-def split_host_port(addr: str) -> tuple[str, int]:
-    """'host:port' or '[v6]:port' -> (host, port); ValueError says what is wrong."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{addr!r} is not HOST:PORT (for example 127.0.0.1:{DEFAULT_PORT})")
-    return host.strip("[]"), int(port)
 
 
 def is_loopback(host: str) -> bool:

@@ -47,6 +47,7 @@ class Member:
     runtime: dict[str, str] = field(default_factory=dict)
     layout: Layout | None = None
     weights_digest: bytes = b""  # agent.join(verify_values=True); b"": not sent
+    launch: str = ""  # which launch of the job (torchrun's store endpoint); "": unknown
     joined_at: float = 0.0
     last_seen: float = 0.0
 
@@ -80,6 +81,11 @@ class CohortState:
     departures: list[Departure] = field(default_factory=list)
     # Bumped on every membership change; lets callers cache what they derive from members.
     version: int = 0
+    # launch -> members of it (only known launches), kept so a conflict costs O(1) to see
+    launches: dict[str, int] = field(default_factory=dict)
+    # joins of another launch for a rank a member already holds: never members, they
+    # refuse the cohort and are named in its report
+    intruders: list[Member] = field(default_factory=list)
 
     def add(self, member: Member, now: float) -> None:
         old = self.members.get(member.rank)
@@ -89,6 +95,8 @@ class CohortState:
         self.last_join_at = now
         self.version += 1
         self.classes.setdefault(member.signature, set()).add(member.rank)
+        if member.launch:
+            self.launches[member.launch] = self.launches.get(member.launch, 0) + 1
         if len(self.members) == self.world_size and self.complete_at is None:
             self.complete_at = now
 
@@ -102,6 +110,10 @@ class CohortState:
         self.departures.append(Departure(member.rank, member.host, member.incarnation, now))
 
     def _unindex(self, member: Member) -> None:
+        if member.launch:
+            left = self.launches.pop(member.launch, 0) - 1
+            if left > 0:
+                self.launches[member.launch] = left
         ranks = self.classes.get(member.signature)
         if ranks is not None:
             ranks.discard(member.rank)
@@ -126,6 +138,7 @@ class Cause(enum.StrEnum):
     LAYOUT = "layout"
     RUNTIME = "runtime"
     WEIGHTS = "weights"
+    LAUNCH = "launch"
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,32 @@ class SignatureClass:
 
 
 @dataclass(frozen=True)
+class LaunchGroup:
+    """The ranks of one launch of a job that joined a cohort (intruders included)."""
+
+    launch: str
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+
+
+def launch_groups(cohort: CohortState) -> tuple[LaunchGroup, ...]:
+    """Each known launch with its ranks, in the order of their lowest rank."""
+    by: dict[str, list[Member]] = {}
+    for m in [*cohort.members.values(), *cohort.intruders]:
+        if m.launch:
+            by.setdefault(m.launch, []).append(m)
+    groups = [
+        LaunchGroup(
+            launch,
+            tuple(sorted({m.rank for m in ms})),
+            tuple(sorted({m.host for m in ms})),
+        )
+        for launch, ms in by.items()
+    ]
+    return tuple(sorted(groups, key=lambda g: (g.ranks[0], g.launch)))
+
+
+@dataclass(frozen=True)
 class Decision:
     outcome: Outcome
     reason: str
@@ -158,6 +197,7 @@ class Decision:
     awaiting_digests: tuple[bytes, ...] = ()
     detail: dict[str, Any] = field(default_factory=dict)
     findings: tuple[Finding, ...] = ()
+    launches: tuple[LaunchGroup, ...] = ()
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -215,6 +255,17 @@ def replica_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
 def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decision:
     """Formed, refused or still waiting, with a one-line reason in brackets."""
     n, joined = cohort.world_size, len(cohort.members)
+    if len(cohort.launches) > 1 or cohort.intruders:
+        # At once, not at completion: the ranks of the other launch would otherwise wait
+        # on ALREADY_EXISTS, or two half-jobs would form one cohort and train together.
+        groups = launch_groups(cohort)
+        return Decision(
+            Outcome.REFUSED,
+            f"[ranks of {len(groups)} launches joined under one job id]",
+            cause=Cause.LAUNCH,
+            launches=groups,
+            present_ranks=tuple(sorted(cohort.members)),
+        )
     if joined < n:
         deadline = cohort.first_join_at + options.join_deadline_s
         if now < deadline:

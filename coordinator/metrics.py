@@ -78,6 +78,11 @@ class Metrics:
             "Ranks whose join dropped before the verdict.",
             registry=r,
         )
+        self.abandoned = Counter(
+            "cohortgate_cohorts_abandoned_total",
+            "Waiting cohorts whose every rank left before a verdict (never a refusal).",
+            registry=r,
+        )
 
     def names(self) -> set[str]:
         """Every series name this registry can export, whether or not it has samples yet

@@ -25,6 +25,10 @@ class Observer:
         self.metrics.departures.inc()
         self.metrics.ranks_waiting.dec()
 
+    def abandoned(self) -> None:
+        self.metrics.cohorts_waiting.dec()
+        self.metrics.abandoned.inc()
+
     def uploaded(self, accepted: bool, size: int) -> None:
         self.metrics.manifest_uploads.labels("accepted" if accepted else "rejected").inc()
         self.metrics.manifest_bytes.inc(size)

@@ -13,10 +13,10 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from coordinator.addr import DEFAULT_ADDR
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.channel import ClientSecurity
-from coordinator.config import DEFAULT_ADDR
 from coordinator.wire import STATE_NAMES
 
 

@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.channel import ClientSecurity
+from coordinator.ports import bind
 from coordinator.servicer import add_service
 
 log = structlog.get_logger("cohortgate.relay")
@@ -266,6 +267,7 @@ async def serve_relay(
     relay = Relay(upstream, ClientSecurity.from_env(), window_s=window_s, local_ranks=local_ranks)
     server = grpc.aio.server(
         options=[
+            ("grpc.so_reuseport", 0),  # one relay per address (see server.py)
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ]
@@ -273,9 +275,7 @@ async def serve_relay(
     add_service(server, "CohortService", relay)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"could not bind {listen}: is the port in use?")
+    port = bind(server, "--listen", listen)
     await server.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     if port_file:

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field, replace
 
 from coordinator import ranges
 from coordinator.diff import ManifestDiff, diff
-from coordinator.formation import Cause, CohortState, Decision, Outcome, SignatureClass
+from coordinator.formation import (
+    Cause,
+    CohortState,
+    Decision,
+    LaunchGroup,
+    Outcome,
+    SignatureClass,
+)
 from coordinator.layered import Finding
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
@@ -32,6 +39,9 @@ class Verdict:
     missing_ranks: tuple[int, ...] = ()
     present_ranks: tuple[int, ...] = ()
     report: str = ""
+    # One line naming the culprit ranks first: what every rank prints and torchrun's Root
+    # Cause shows before the report, whichever rank torchrun picks.
+    headline: str = ""
 
     @property
     def formed(self) -> bool:
@@ -146,6 +156,60 @@ def render_deadline(
     return "\n".join(lines)
 
 
+def render_launches(job_id: str, round_: int, groups: tuple[LaunchGroup, ...]) -> str:
+    lines = [
+        f"cohortgate refused to form job '{job_id}' round {round_}: ranks of {len(groups)} "
+        "different launches joined under this one job id."
+    ]
+    for g in groups:
+        lines.append(
+            f"launch {g.launch}: {_plural(len(g.ranks), 'rank')} "
+            f"[{ranges.compress_capped(g.ranks)}] on {_hosts(g.hosts)}"
+        )
+    lines.append(
+        "What to do: two launches (torchrun store endpoints) share the job id "
+        f"'{job_id}'. Give each launch its own --rdzv-id (or COHORTGATE_JOB), or stop the "
+        "stale one, then relaunch."
+    )
+    return "\n".join(lines)
+
+
+def headline(cohort: CohortState, decision: Decision) -> str:
+    """The refusal in one line, culprit ranks first."""
+    cause = decision.cause
+    if cause is Cause.DEADLINE:
+        return (
+            f"ranks {ranges.compress_capped(decision.missing_ranks)} never joined (join "
+            f"deadline passed with {len(decision.present_ranks)}/{cohort.world_size} ranks)"
+        )
+    if cause is Cause.LAUNCH:
+        parts = [
+            f"launch {g.launch} (ranks {ranges.compress_capped(g.ranks)} on {_hosts(g.hosts)})"
+            for g in decision.launches
+        ]
+        return f"ranks of {len(parts)} launches share job id '{cohort.job_id}': " + ", ".join(parts)
+    if cause is Cause.MANIFEST_INVALID:
+        return next(iter(cohort.invalid_manifests.values()), "an uploaded manifest was invalid")
+    culprits = [c for c in decision.classes if not c.reference]
+    if culprits:
+        refs = {c.group: c for c in decision.classes if c.reference}
+        first = culprits[0]
+        ref = refs.get(first.group)
+        group = f" in replica group {first.group}" if first.group else ""
+        against = f" ranks {ranges.compress_capped(ref.ranks)}" if ref else " the others"
+        more = f" (and {len(culprits) - 1} more class(es))" if len(culprits) > 1 else ""
+        return (
+            f"rank{'s' if len(first.ranks) > 1 else ''} {ranges.compress_capped(first.ranks)} "
+            f"on {_hosts(first.hosts)} built a different model than{against}{group}{more}"
+        )
+    strict = [f for f in decision.findings if f.level == "strict"]
+    if strict:
+        f = strict[0]
+        ranks = f"ranks {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
+        return f"{f.check}: {ranks}{f.text}"
+    return decision.reason.strip("[]")
+
+
 def build_verdict(
     cohort: CohortState, decision: Decision, now: float, deadline_s: float
 ) -> Verdict:
@@ -165,6 +229,13 @@ def build_verdict(
     if decision.outcome is Outcome.FORMED:
         rank0 = cohort.members.get(0)
         return replace(base, init_method=rank0.init_method if rank0 else "")
+    base = replace(base, headline=headline(cohort, decision))
+    if decision.cause is Cause.LAUNCH:
+        return replace(
+            base,
+            present_ranks=decision.present_ranks,
+            report=render_launches(cohort.job_id, cohort.round, decision.launches),
+        )
     if decision.cause is Cause.DEADLINE:
         hosts = tuple(sorted({m.host for m in cohort.members.values()}))
         report = render_deadline(

@@ -19,6 +19,7 @@ from coordinator.config import ServeConfig
 from coordinator.history import History
 from coordinator.http import MetricsServer
 from coordinator.observers import Observer
+from coordinator.ports import BindError, bind, check_free
 from coordinator.service import Coordinator
 from coordinator.servicer import CohortServicer, StatusServicer, add_service
 
@@ -66,6 +67,11 @@ class RunningServer:
 async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> RunningServer:
     config.check_exposure()
     config.check_tls()
+    # Before anything else: a second coordinator on a held address must stop here, in
+    # one line, not share the port (gRPC's SO_REUSEPORT) and split a job's ranks.
+    check_free("--listen", config.listen)
+    if config.metrics_listen != "off":
+        check_free("--metrics-listen", config.metrics_listen)
     auth = Auth(TokenStore.load(config.tokens_file) if config.tokens_file else None)
     limits = config.limits
     if coordinator is None:
@@ -82,6 +88,9 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     half_grace_ms = int(config.rank_grace * 500)
     server = grpc.aio.server(
         options=[
+            # One process per address: with SO_REUSEPORT (gRPC's Linux default) a second
+            # coordinator would take half the connections of the first.
+            ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
             ("grpc.keepalive_time_ms", half_grace_ms),
@@ -117,16 +126,18 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             root_certificates=config.tls_client_ca.read_bytes() if config.tls_client_ca else None,
             require_client_auth=config.tls_client_ca is not None,
         )
-        port = server.add_secure_port(config.listen, credentials)
+        port = bind(server, "--listen", config.listen, credentials)
     else:
-        port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"could not bind {config.listen}: is the port in use?")
+        port = bind(server, "--listen", config.listen)
     metrics = None
     if config.metrics_listen != "off":
-        metrics = MetricsServer(
-            coordinator, asyncio.get_running_loop(), config.metrics_listen, auth
-        )
+        try:
+            metrics = MetricsServer(
+                coordinator, asyncio.get_running_loop(), config.metrics_listen, auth
+            )
+        except OSError as exc:
+            check_free("--metrics-listen", config.metrics_listen)  # names the holder
+            raise BindError(f"--metrics-listen {config.metrics_listen}: {exc.strerror}") from None
         metrics.start()
     await server.start()
     for name in ("", SERVICE_NAME, STATUS_SERVICE_NAME):

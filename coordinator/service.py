@@ -155,6 +155,8 @@ class Coordinator:
                 superseded = self._pokes.get(key)
                 if superseded is not None:
                     superseded.set()
+                elif result.intruder:
+                    self.observer.metrics.joins.inc()  # never a member: not waiting
                 else:
                     self.observer.joined(result.opened)
                 self._pokes[key] = poke
@@ -240,6 +242,8 @@ class Coordinator:
                     self._depart(cohort, member)
 
     def _depart(self, cohort: Cohort, member: Member) -> None:
+        if cohort.state.members.get(member.rank) is not member:
+            return  # an intruder (another launch), or already replaced
         successor = self.registry.leave(cohort, member)
         self.observer.departed()
         self._changed(cohort)
@@ -253,6 +257,23 @@ class Coordinator:
         )
         if successor is not None:
             self._poke(cohort, successor)
+        if self.registry.abandon(cohort):
+            self._abandoned(cohort)
+
+    def _abandoned(self, cohort: Cohort) -> None:
+        for label in ("deadline", "manifests"):
+            timer = self._timers.pop((cohort.job_id, cohort.round, label), None)
+            if timer is not None:
+                timer.cancel()
+        self._progress.pop((cohort.job_id, cohort.round), None)
+        self.observer.abandoned()
+        self._changed(cohort)
+        log.info(
+            "round abandoned",
+            job=cohort.job_id,
+            round=cohort.round,
+            reason="every rank left before a verdict; the next join opens a new round",
+        )
 
     def progress(self, cohort: Cohort) -> Progress:
         """Cached per cohort for a fraction of the interval: 16k waiting ranks share one."""
@@ -334,9 +355,10 @@ class Coordinator:
                 )
             # Logged when the kind of wait changes, not on every join ("[12/16 ranks
             # joined]" and "[13/16 ranks joined]" are the same wait).
+            cohort.last_reason = decision.reason
             kind = _DIGITS.sub("#", decision.reason)
-            if kind != cohort.last_reason:
-                cohort.last_reason = kind
+            if kind != cohort.last_reason_kind:
+                cohort.last_reason_kind = kind
                 log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
             for asked in cohort.digests_asked.values():
                 holder = cohort.holder(asked)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -18,6 +18,7 @@ def spawn(
     timeout: float = 30.0,
     new_session: bool = False,
     command: str = "serve",
+    preexec: Callable[[], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """(the process, its gRPC port). The coordinator (or `command="relay"`, a relay) writes
     its ports to `port_file` once it serves; an exit or a silence past `timeout` raises
@@ -37,6 +38,7 @@ def spawn(
         stdout=stdout,
         stderr=subprocess.STDOUT if stdout not in (None, sys.stderr) else None,
         start_new_session=new_session,
+        preexec_fn=preexec,  # noqa: PLW1509 (callers that pass one start no threads)
     )
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:

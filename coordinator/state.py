@@ -52,7 +52,20 @@ class Cohort:
     asked: dict[bytes, tuple[int, str]] = field(default_factory=dict)
     # weights digest -> (rank, incarnation) asked for its per-tensor digests
     digests_asked: dict[bytes, tuple[int, str]] = field(default_factory=dict)
-    last_reason: str = ""
+    last_reason: str = ""  # the decision's reason as it was last evaluated
+    last_reason_kind: str = ""  # the same with digits masked: logged when it changes
+    abandoned_at: float | None = None  # every rank left before a verdict
+
+    @property
+    def settled(self) -> bool:
+        """Decided or abandoned: the job's next join opens a new round."""
+        return self.verdict is not None or self.abandoned_at is not None
+
+    @property
+    def settled_at(self) -> float | None:
+        if self.verdict is not None:
+            return self.verdict.decided_at
+        return self.abandoned_at
 
     @property
     def job_id(self) -> str:
@@ -86,6 +99,7 @@ class JoinResult:
     ask_manifest: bool
     replayed: bool = False  # a decided round's verdict handed back to the same incarnation
     opened: bool = False  # this join opened the cohort (a new round)
+    intruder: bool = False  # of another launch, for a rank held: refuses the cohort
 
 
 class Registry:
@@ -123,7 +137,7 @@ class Registry:
             replay = self._replay(job, intent)
             if replay is not None:
                 return replay
-        opened = job is None or job.current.verdict is not None
+        opened = job is None or job.current.settled
         if opened and self.waiting_cohorts >= self.limits.max_cohorts:
             raise LimitExceeded(
                 f"{self.waiting_cohorts} cohorts are waiting, the limit max_cohorts="
@@ -139,7 +153,7 @@ class Registry:
             cohort = self._new_cohort(intent, first, now)
             job = Job(intent.job_id, cohort, {first: cohort})
             self.jobs[intent.job_id] = job
-        elif job.current.verdict is not None:
+        elif job.current.settled:
             self._check_round(job, intent.round, job.current.round + 1)
             cohort = self._new_cohort(intent, job.current.round + 1, now)
             job.current = cohort
@@ -157,6 +171,9 @@ class Registry:
             )
         held = state.members.get(member.rank)
         if held is not None and held.incarnation != member.incarnation:
+            if member.launch and held.launch and member.launch != held.launch:
+                state.intruders.append(member)
+                return JoinResult(cohort, member, False, intruder=True)
             raise AlreadyHeld(
                 f"rank {member.rank} of job '{job.job_id}' round {state.round} is already held "
                 f"by incarnation {held.incarnation} (host {held.host}, pid {held.pid}); this "
@@ -187,6 +204,8 @@ class Registry:
         if asked in (0, open_round):
             return
         over = job.rounds.get(asked)
+        if over is not None and over.abandoned_at is not None:
+            return  # nothing was decided there: a re-join takes part in the open round
         if asked < open_round:
             outcome = over.verdict.outcome.value if over and over.verdict else "decided"
             raise FailedPrecondition(
@@ -234,6 +253,16 @@ class Registry:
         successor = cohort.state.members[min(ranks)]
         cohort.asked[member.signature] = (successor.rank, successor.incarnation)
         return successor
+
+    def abandon(self, cohort: Cohort) -> bool:
+        """A waiting cohort whose every rank has left is abandoned at once: its slot is
+        freed and the job's next join opens a fresh round (any world size), instead of
+        a relaunch being refused until the deadline, then counted as a refusal."""
+        if cohort.settled or cohort.state.members:
+            return False
+        cohort.abandoned_at = self.clock()
+        self.waiting_cohorts -= 1
+        return True
 
     # -- manifests ---------------------------------------------------------------------
     def _member(
@@ -288,7 +317,7 @@ class Registry:
     # -- decisions ---------------------------------------------------------------------
     def evaluate(self, cohort: Cohort) -> Decision | None:
         """Run the formation decision; on FORMED or REFUSED, record the verdict."""
-        if cohort.verdict is not None:
+        if cohort.settled:
             return None
         now = self.clock()
         decision = decide(cohort.state, now, self.options)
@@ -355,8 +384,7 @@ class Registry:
         stale = [
             job_id
             for job_id, job in self.jobs.items()
-            if job.current.verdict is not None
-            and now - job.current.verdict.decided_at > older_than_s
+            if (settled := job.current.settled_at) is not None and now - settled > older_than_s
         ]
         for job_id in stale:
             del self.jobs[job_id]

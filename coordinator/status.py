@@ -14,7 +14,7 @@ from coordinator.state import Cohort
 class CohortSummary:
     job_id: str
     round: int
-    state: str  # waiting | formed | refused | expired
+    state: str  # waiting | formed | refused | expired | abandoned
     joined: int
     expected: int
     age_s: float
@@ -32,6 +32,8 @@ class CohortSummary:
 
 def state_of(cohort: Cohort) -> str:
     verdict = cohort.verdict
+    if cohort.abandoned_at is not None:
+        return "abandoned"
     if verdict is None:
         return "waiting"
     if verdict.cause is Cause.DEADLINE and not verdict.present_ranks:
@@ -58,7 +60,7 @@ def summarize(cohort: Cohort, now: float, options: FormationOptions) -> CohortSu
         expected=state.world_size,
         age_s=now - state.first_join_at,
         deadline_in_s=(
-            state.first_join_at + options.join_deadline_s - now if verdict is None else 0.0
+            state.first_join_at + options.join_deadline_s - now if not cohort.settled else 0.0
         ),
         missing_ranks=missing,
         reason=reason,

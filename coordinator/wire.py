@@ -44,6 +44,7 @@ _CAUSE_TO_PB = {
     Cause.LAYOUT: pb.Refusal.CAUSE_LAYOUT,
     Cause.RUNTIME: pb.Refusal.CAUSE_RUNTIME,
     Cause.WEIGHTS: pb.Refusal.CAUSE_WEIGHTS,
+    Cause.LAUNCH: pb.Refusal.CAUSE_LAUNCH,
 }
 
 
@@ -118,6 +119,7 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         runtime=runtime,
         layout=layout,
         weights_digest=bytes(req.weights_digest),
+        launch=_text(req.launch, "launch"),
     )
     return JoinIntent(
         job_id=job_id, round=req.round, member=member, world_size=req.world_size, quiet=req.quiet
@@ -298,6 +300,7 @@ _STATE_TO_PB = {
     "formed": pb.COHORT_STATE_FORMED,
     "refused": pb.COHORT_STATE_REFUSED,
     "expired": pb.COHORT_STATE_EXPIRED,
+    "abandoned": pb.COHORT_STATE_ABANDONED,
 }
 STATE_NAMES = {v: k for k, v in _STATE_TO_PB.items()}
 
@@ -439,6 +442,7 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
     if v.outcome is Outcome.REFUSED and v.cause is not None:
         msg.refusal.cause = _CAUSE_TO_PB[v.cause]
         msg.refusal.report = v.report
+        msg.refusal.headline = v.headline
         msg.refusal.missing_ranks = ranges.compress(v.missing_ranks)
         msg.refusal.present_ranks = ranges.compress(v.present_ranks)
         for c in v.classes:

@@ -2,6 +2,7 @@
 
 Flags make chosen ranks build a different model, to show a refusal:
   --wide-rank R     rank R builds a wider hidden layer
+  --wide-node N     every rank of node N (torchrun's GROUP_RANK) builds a wider hidden layer
   --float64-rank R  rank R holds one block in float64 (DDP itself would not notice)
   --absent-rank R   rank R never joins (the coordinator's deadline names it)
   --seed-rank R     rank R initialises its weights from another seed (needs
@@ -34,21 +35,26 @@ def build_model(hidden: int, float64_block: bool, seed: int = 0) -> nn.Module:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--wide-rank", type=int, default=-1)
-    parser.add_argument("--float64-rank", type=int, default=-1)
-    parser.add_argument("--absent-rank", type=int, default=-1)
-    parser.add_argument("--seed-rank", type=int, default=-1)
-    parser.add_argument("--verify-values", action="store_true")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=5, help="DDP steps (default 5)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden width (default 64)")
+    parser.add_argument("--wide-rank", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--wide-node", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--float64-rank", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--absent-rank", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--seed-rank", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--verify-values", action="store_true", help="(default: off)")
     args = parser.parse_args()
 
     rank = int(os.environ["RANK"])
     if rank == args.absent_rank:
         time.sleep(3600)  # alive but never joins: torchrun ends it once the others fail
         return 0
-    hidden = args.hidden * 2 if rank == args.wide_rank else args.hidden
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    wide = rank == args.wide_rank or node == args.wide_node
+    hidden = args.hidden * 2 if wide else args.hidden
     model = build_model(
         hidden, float64_block=rank == args.float64_rank, seed=1 if rank == args.seed_rank else 0
     )

@@ -103,7 +103,11 @@ def test_wider_rank_is_refused_on_every_rank_within_seconds(tmp_path: Path) -> N
         assert code is not None and int(code.group(1)) in (3, -15), out
     assert "differs:   signature" in out and f"1 rank [2] on 1 host {host}" in out
     first = "first difference at position 0: '0.weight' float32[64, 32] vs float32[128, 32]"
-    assert out.count(first) >= 4, "each rank prints the report"
+    # once from local rank 0, at most once more in torchrun's Root Cause: not 8 times
+    assert 1 <= out.count(first) <= 2, out
+    root = out[out.index("Root Cause (first observed failure):") :]
+    # whichever rank torchrun picks, its error file names the culprit first
+    assert f"traceback : rank 2 on {host} built a different model than ranks 0-1,3" in root, root
     last_join = max(stamp(e) for e in events if e.get("event") == "rank joined")
     # No hang: the whole job is gone well within 10 s of the last join (torchrun included).
     assert ended - last_join < 10, f"{ended - last_join:.1f}s after the last join"
@@ -125,9 +129,7 @@ def test_absent_rank_is_named_at_the_deadline_in_torchruns_root_cause(tmp_path: 
     assert "missing ranks: 3" in out
     assert "present ranks: 0-2" in out
     root = out[out.index("Root Cause (first observed failure):") :]
-    assert (
-        "traceback : cohortgate refused to form job 'e2e-absent' round 1: the join deadline" in root
-    )
+    assert "traceback : ranks 3 never joined (join deadline passed with 3/4 ranks)" in root, root
 
 
 def test_cohortgate_run_is_the_one_command_way_in(tmp_path: Path) -> None:

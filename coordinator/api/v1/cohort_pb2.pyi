@@ -31,6 +31,8 @@ class _CohortStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CohortSta
     COHORT_STATE_REFUSED: _CohortState.ValueType  # 3
     COHORT_STATE_EXPIRED: _CohortState.ValueType  # 4
     """the deadline passed with no rank left to tell"""
+    COHORT_STATE_ABANDONED: _CohortState.ValueType  # 5
+    """every rank left before a verdict; the next join opens a round"""
 
 class CohortState(_CohortState, metaclass=_CohortStateEnumTypeWrapper): ...
 
@@ -40,6 +42,8 @@ COHORT_STATE_FORMED: CohortState.ValueType  # 2
 COHORT_STATE_REFUSED: CohortState.ValueType  # 3
 COHORT_STATE_EXPIRED: CohortState.ValueType  # 4
 """the deadline passed with no rank left to tell"""
+COHORT_STATE_ABANDONED: CohortState.ValueType  # 5
+"""every rank left before a verdict; the next join opens a round"""
 Global___CohortState: _TypeAlias = CohortState  # noqa: Y015
 
 @_typing.final
@@ -102,6 +106,7 @@ class JoinRequest(_message.Message):
     QUIET_FIELD_NUMBER: _builtins.int
     WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
     WEIGHTS_DIGEST_FORMAT_FIELD_NUMBER: _builtins.int
+    LAUNCH_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -133,6 +138,11 @@ class JoinRequest(_message.Message):
     only be compared when they computed the same function, so a coordinator refuses a
     format it does not know instead of calling every tensor different.
     """
+    launch: _builtins.str
+    """Which launch of the job this rank belongs to: torchrun's store endpoint
+    (MASTER_ADDR:MASTER_PORT, the same on every node of one launch), or
+    COHORTGATE_LAUNCH. Two launches that reuse one job id never form one cohort.
+    """
     @_builtins.property
     def runtime(self) -> Global___RuntimeFacts: ...
     @_builtins.property
@@ -159,10 +169,11 @@ class JoinRequest(_message.Message):
         quiet: _builtins.bool = ...,
         weights_digest: _builtins.bytes = ...,
         weights_digest_format: _builtins.int = ...,
+        launch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "launch", b"launch", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -738,6 +749,8 @@ class Refusal(_message.Message):
         """torch / CUDA / NCCL / device disagreement"""
         CAUSE_WEIGHTS: Refusal._Cause.ValueType  # 6
         """replicas hold different weight values"""
+        CAUSE_LAUNCH: Refusal._Cause.ValueType  # 7
+        """ranks of two launches joined under one job id"""
 
     class Cause(_Cause, metaclass=_CauseEnumTypeWrapper): ...
     CAUSE_UNSPECIFIED: Refusal.Cause.ValueType  # 0
@@ -751,6 +764,8 @@ class Refusal(_message.Message):
     """torch / CUDA / NCCL / device disagreement"""
     CAUSE_WEIGHTS: Refusal.Cause.ValueType  # 6
     """replicas hold different weight values"""
+    CAUSE_LAUNCH: Refusal.Cause.ValueType  # 7
+    """ranks of two launches joined under one job id"""
 
     CAUSE_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int
@@ -758,12 +773,17 @@ class Refusal(_message.Message):
     MISSING_RANKS_FIELD_NUMBER: _builtins.int
     PRESENT_RANKS_FIELD_NUMBER: _builtins.int
     FINDINGS_FIELD_NUMBER: _builtins.int
+    HEADLINE_FIELD_NUMBER: _builtins.int
     cause: Global___Refusal.Cause.ValueType
     report: _builtins.str
     """the readable rendering, identical for every rank"""
     missing_ranks: _builtins.str
     """CAUSE_DEADLINE: compressed ranges"""
     present_ranks: _builtins.str
+    headline: _builtins.str
+    """One line that names the culprit ranks first, e.g. "rank 2 on node1 differs from
+    ranks 0-1,3 (model signature)": what torchrun's Root Cause shows before the report.
+    """
     @_builtins.property
     def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SignatureClass]: ...
     @_builtins.property
@@ -777,10 +797,11 @@ class Refusal(_message.Message):
         missing_ranks: _builtins.str = ...,
         present_ranks: _builtins.str = ...,
         findings: _abc.Iterable[Global___Finding] | None = ...,
+        headline: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "classes", b"classes", "findings", b"findings", "missing_ranks", b"missing_ranks", "present_ranks", b"present_ranks", "report", b"report"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "classes", b"classes", "findings", b"findings", "headline", b"headline", "missing_ranks", b"missing_ranks", "present_ranks", b"present_ranks", "report", b"report"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,212 @@
+"""End to end, the way users deploy: two `cohortgate run --nnodes 2` launches on one machine
+are two nodes; SIGTERM to `cohortgate run`; two launches that reuse one job id."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, coordinator_process, free_port, kill_group
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+TRAIN = REPO / "examples" / "train.py"
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    tmpdir = tmp / f"tmp-{uuid.uuid4().hex[:6]}"
+    tmpdir.mkdir()
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TMPDIR": str(tmpdir),
+        **extra,
+    }
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[str]:
+    outs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            outs.append(out)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return outs
+
+
+def test_two_nodes_through_cohortgate_run_form_then_a_wider_node_is_refused_on_both(
+    tmp_path: Path,
+) -> None:
+    with coordinator_process("--join-deadline", "120", tmp=tmp_path) as (addr, _):
+        outputs = {}
+        for job, extra in (("two-nodes", []), ("two-nodes-wide", ["--wide-node", "1"])):
+            rdzv = f"127.0.0.1:{free_port()}"
+            args = [
+                "--coordinator",
+                addr,
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                rdzv,
+                "--rdzv-id",
+                job,
+                "--monitor-interval",
+                "0.2",
+                str(TRAIN),
+                "--steps",
+                "2",
+                *extra,
+            ]
+            envs = [_env(tmp_path), _env(tmp_path)]
+            procs = [_run(args, env, tmp_path) for env in envs]
+            outputs[job] = (procs, _finish(procs))
+            for env in envs:
+                assert not list(Path(env["TMPDIR"]).glob("cohortgate-*"))
+    procs, outs = outputs["two-nodes"]
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, out
+        assert "[cohortgate] job two-nodes, coordinator 127.0.0.1:" in out, out  # via a relay
+        assert out.count("formed, all_reduce sum 10, trained 2 steps") == 2, out
+    procs, outs = outputs["two-nodes-wide"]
+    reports = []
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode != 0, out
+        assert "ranks 2-3 on" in out and "built a different model than ranks 0-1" in out, out
+        start = out.index("cohortgate refused to form job 'two-nodes-wide' round 1")
+        reports.append(out[start : out.index("What to do", start)])
+    assert reports[0] == reports[1], "both nodes get the same report"
+    assert "differs:   signature" in reports[0] and "2 ranks [2-3]" in reports[0]
+
+
+def _marked(mark: str) -> list[int]:
+    """Pids of processes whose environment carries the test's marker."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if mark.encode() in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_cohortgate_run_ends_the_whole_tree_and_cleans_up(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    mark = f"COHORTGATE_TEST_MARK={uuid.uuid4().hex}"
+    env = _env(tmp_path, COHORTGATE_TEST_MARK=mark.split("=")[1])
+    env["COHORTGATE_HISTORY"] = "off"
+    proc = _run(
+        ["--nproc-per-node", "2", "--master-port", "0", str(TRAIN), "--absent-rank", "1"],
+        env,
+        tmp_path,
+    )
+    try:
+        give_up = time.monotonic() + 90
+        # the coordinator, torchrun and both workers are up, rank 0 waiting for rank 1
+        while (
+            len(
+                [p for p in _marked(mark) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            )
+            < 3
+        ):
+            assert proc.poll() is None and time.monotonic() < give_up
+            time.sleep(0.2)
+        time.sleep(2)
+        os.kill(proc.pid, sig)
+        code = proc.wait(timeout=60)
+    finally:
+        kill_group(proc)
+    assert code == 128 + sig, code
+    give_up = time.monotonic() + 10
+    while _marked(mark) and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert _marked(mark) == [], "processes outlived cohortgate run"
+    assert not list(Path(env["TMPDIR"]).glob("cohortgate-*")), "temporary directory left"
+
+
+def _joined(addr: str, job: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "status", job, "--json", "--addr", addr],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    cohorts = json.loads(done.stdout or "[]") if done.returncode == 0 else []
+    return max((c["joined"] for c in cohorts), default=0)
+
+
+def test_two_torchrun_launches_reusing_one_job_id_are_refused_naming_both(
+    tmp_path: Path,
+) -> None:
+    def launch(*extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-id",
+                "collide1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                "--monitor-interval",
+                "0.2",
+                str(TRAIN),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            cwd=tmp_path,
+            env=_env(tmp_path, COHORTGATE_ADDR=addr),
+        )
+
+    with coordinator_process("--join-deadline", "120", tmp=tmp_path) as (addr, _):
+        first = launch("--absent-rank", "1")  # holds rank 0, never completes alone
+        try:
+            give_up = time.monotonic() + 90
+            while _joined(addr, "collide1") < 1:
+                assert first.poll() is None and time.monotonic() < give_up
+                time.sleep(0.3)
+            second = launch()
+        except BaseException:
+            kill_group(first)
+            raise
+        outs = _finish([first, second])
+    for out in outs:
+        assert "formed, all_reduce" not in out, out
+        assert "ranks of 2 launches share job id 'collide1'" in out, out
+        assert out.count("launch 127.0.0.1:") >= 2, out
