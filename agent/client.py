@@ -89,6 +89,7 @@ def join(
     on_progress: Callable[[pb.Progress], None] | None = None,
     layout: Layout | None = None,
     digests: Sequence[bytes] | None = None,
+    sharded_without_layout: bool = False,
 ) -> pb.Verdict:
     """Join the cohort and block until its verdict (FORMED or REFUSED). `digests`: the
     per-tensor weight digests in manifest order (agent.digest), to have values checked."""
@@ -107,6 +108,7 @@ def join(
         runtime=runtime,
         init_method=init_method,
         launch=identity.launch,
+        sharded_without_layout=sharded_without_layout,
         # Rank 0 reports progress; the others need only the first event and the verdict.
         quiet=identity.rank != 0 and on_progress is None,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -72,6 +73,34 @@ class CohortRefused(RuntimeError):
         self.verdict = verdict
 
 
+def _drain_at_exit() -> None:
+    """Collect garbage while the interpreter is still whole (atexit runs before finalizing).
+
+    Root cause of "terminate called without an active exception" (SIGABRT, or SIGSEGV) in one
+    teardown in eight: a DDP module and its optimizer form reference cycles, so the gloo
+    process group they hold is freed only by the collection Py_Finalize runs. Meanwhile a
+    gloo worker thread still destroys the last allreduce's Work, whose thread-local state
+    holds a Python object; taking the GIL once the interpreter is finalizing ends that thread
+    with pthread_exit, whose forced unwind through a noexcept destructor is std::terminate.
+    Collected here instead, the process group's destructor (which releases the GIL) joins
+    its worker threads while they can still take the GIL. (Core dump: thread in
+    ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> ~ThreadLocalState -> decref ->
+    take_gil -> PyThread_exit_thread -> std::terminate; main thread in Py_FinalizeEx ->
+    PyGC_Collect.)
+    """
+    import gc
+
+    gc.collect()
+
+
+@functools.cache
+def _register_drain() -> None:
+    """Once per process, however many cohorts it joins."""
+    import atexit
+
+    atexit.register(_drain_at_exit)
+
+
 def _device_type(model: torch.nn.Module) -> str:
     for tensor in model.parameters():
         return str(tensor.device.type)
@@ -136,6 +165,11 @@ def _join(
 
         declared = {p.tensor for p in layout.pieces}
         layout.pieces.extend(dtensor_pieces(model, skip=declared))
+    sharded = False
+    if verify_values and layout is None:
+        from agent.dtensor import dtensor_pieces
+
+        sharded = any(not p.replicated for p in dtensor_pieces(model))
     init_method = f"tcp://{identity.endpoint_host}:{free_port()}" if identity.rank == 0 else ""
     options = JoinOptions() if timeout_s is None else JoinOptions(timeout_s=timeout_s)
     verdict = client_join(
@@ -146,8 +180,10 @@ def _join(
         options=options,
         layout=layout.build() if isinstance(layout, LayoutBuilder) else layout,
         digests=digests,
+        sharded_without_layout=sharded,
     )
     if verdict.outcome == pb.Verdict.OUTCOME_FORMED:
+        _register_drain()
         return Cohort(
             job_id=verdict.job_id,
             rank=identity.rank,

@@ -48,6 +48,7 @@ class Member:
     layout: Layout | None = None
     weights_digest: bytes = b""  # agent.join(verify_values=True); b"": not sent
     launch: str = ""  # which launch of the job (torchrun's store endpoint); "": unknown
+    sharded_without_layout: bool = False  # DTensor parameters, no layout declared
     joined_at: float = 0.0
     last_seen: float = 0.0
 
@@ -445,6 +446,7 @@ def _weights_gate(
             )
         )
     awaiting: list[bytes] = []
+    buffers_only = True  # every difference found lies in buffers (computed from config)
     for label, classes in weight_classes(cohort).items():
         if len(classes) < 2:
             continue
@@ -468,6 +470,8 @@ def _weights_gate(
                 continue
             names = [e.name for e in manifest.entries]
             differ = differing(names, reference, other)
+            buffers = {e.name for e in manifest.entries if e.kind.value == "buffer"}
+            buffers_only = buffers_only and bool(differ) and set(differ) <= buffers
             shown = ", ".join(f"'{x}'" for x in differ[:NAMES_SHOWN])
             more = f" and {len(differ) - NAMES_SHOWN} more" if len(differ) > NAMES_SHOWN else ""
             found.append(
@@ -488,10 +492,20 @@ def _weights_gate(
         )
     findings += found
     if level == STRICT and found:
+        apart = [f for f in found if f.ranks and "sent no weight digest" not in f.text]
+        if not apart:
+            kind, what = "unsent", "weight digests missing"
+        elif any(m.sharded_without_layout and m.layout is None for m in cohort.members.values()):
+            kind, what = "sharded", "sharded weights compared without a layout"
+        elif buffers_only and all(" tensors differ" in f.text for f in apart):
+            kind, what = "buffers", "buffers differ (model config)"
+        else:
+            kind, what = "values", "weights differ"
         return Decision(
             Outcome.REFUSED,
-            f"[{n}/{n} ranks joined, models match, weights differ]",
+            f"[{n}/{n} ranks joined, models match, {what}]",
             cause=Cause.WEIGHTS,
             findings=tuple(findings),
+            detail={"weights": kind},
         )
     return None

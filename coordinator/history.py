@@ -45,11 +45,17 @@ class VerdictRow:
 class History:
     """One SQLite file. Writes are small and rare (one per verdict), so they run inline."""
 
-    def __init__(self, path: Path | str, retention_days: float = 30.0) -> None:
+    def __init__(
+        self, path: Path | str, retention_days: float = 30.0, *, readonly: bool = False
+    ) -> None:
         self.path = str(path)
+        self.retention_s = retention_days * 86400
+        if readonly:  # `cohortgate explain --history`: read a file, change nothing
+            uri = Path(self.path).resolve().as_uri() + "?mode=ro"
+            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            return
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self.retention_s = retention_days * 86400
         # check_same_thread=False: the status page reads from its HTTP thread; sqlite3
         # serialises access to one connection itself.
         self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)

@@ -11,7 +11,10 @@ import structlog
 def configure(fmt: str = "auto", level: str = "info") -> None:
     console = fmt == "console" or (fmt == "auto" and sys.stdout.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+        # Colours only for a terminal: a log file or CI output must not hold ANSI codes.
+        structlog.dev.ConsoleRenderer(colors=sys.stdout.isatty())
+        if console
+        else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[

@@ -40,7 +40,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("round", nargs="?", type=int, default=0, help="default: the latest")
     p.add_argument("--addr", help=addr_help)
     p.add_argument("--token", help=token_help)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--history",
+        help="read this SQLite history file directly instead of asking a coordinator (default: "
+        "ask; if none answers, read $COHORTGATE_HISTORY or "
+        "~/.local/state/cohortgate/history.sqlite, where `cohortgate run` keeps its verdicts)",
+    )
     p.set_defaults(func=cmd_explain)
 
 
@@ -53,7 +59,7 @@ def _fail(addr: str, exc: grpc.RpcError) -> int:
     if code == grpc.StatusCode.UNAVAILABLE:
         print(
             f"cohortgate: no coordinator answers at {addr} ({exc.details()}); "
-            "pass --addr HOST:PORT or set COHORTGATE_ADDR",
+            "pass --addr HOST:PORT or set COHORTGATE_ADDR (explain also reads --history FILE)",
             file=sys.stderr,
         )
     else:
@@ -164,18 +170,74 @@ def _print_report(
         print(detail.verdict.refusal.report)
 
 
+def _from_file(path: str, job: str, round_: int) -> pb.VerdictRecord | None:
+    from coordinator.history import History
+
+    history = History(path, readonly=True)
+    try:
+        row = history.get(job, round_)
+    finally:
+        history.close()
+    if row is None:
+        return None
+    return pb.VerdictRecord(
+        job_id=row.job_id,
+        round=row.round,
+        cohort_id=row.cohort_id,
+        outcome=row.outcome,
+        cause=row.cause,
+        reason=row.reason,
+        report=row.report,
+        decided_at_unix=row.decided_at,
+        world_size=row.world_size,
+    )
+
+
+def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int:
+    import sqlite3
+
+    try:
+        record = _from_file(path, args.job, args.round)
+    except sqlite3.Error as exc:
+        print(f"cohortgate: cannot read the history file {path}: {exc}", file=sys.stderr)
+        return 1
+    if record is None:
+        which = f"round {args.round} of job {args.job!r}" if args.round else f"job {args.job!r}"
+        print(f"cohortgate: no verdict of {which} in {path}", file=sys.stderr)
+        return 1
+    return record
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coordinator.config import DEFAULT_HISTORY
+
     addr = _addr(args)
-    security = ClientSecurity.from_env(token=args.token)
-    with security.channel(addr) as channel:
-        try:
-            record = pb_grpc.StatusServiceStub(channel).GetVerdict(
-                pb.GetVerdictRequest(job_id=args.job, round=args.round),
-                timeout=10,
-                metadata=security.metadata,
-            )
-        except grpc.RpcError as exc:
-            return _fail(addr, exc)
+    record: pb.VerdictRecord | int
+    if args.history:
+        record = _explain_file(args.history, args)
+    else:
+        security = ClientSecurity.from_env(token=args.token)
+        with security.channel(addr) as channel:
+            try:
+                record = pb_grpc.StatusServiceStub(channel).GetVerdict(
+                    pb.GetVerdictRequest(job_id=args.job, round=args.round),
+                    timeout=10,
+                    metadata=security.metadata,
+                )
+            except grpc.RpcError as exc:
+                fallback = Path(os.environ.get("COHORTGATE_HISTORY") or DEFAULT_HISTORY)
+                fallback = fallback.expanduser()
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or not fallback.is_file():
+                    return _fail(addr, exc)
+                print(
+                    f"cohortgate: no coordinator answers at {addr}; reading {fallback}",
+                    file=sys.stderr,
+                )
+                record = _explain_file(str(fallback), args)
+    if isinstance(record, int):
+        return record
     if args.json:
         print(json.dumps(_dict(record), indent=1))
         return 0

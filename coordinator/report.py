@@ -92,6 +92,30 @@ def _class_lines(
     return lines
 
 
+# A weights refusal has four causes; each has its own headline and advice.
+WEIGHT_HEADS = {
+    "values": "replicas start from different weights.",
+    "unsent": "some ranks sent no weight digest, which the weights check (strict) requires.",
+    "buffers": "buffers computed from the model config differ (the weights themselves agree): "
+    "the ranks' model configs differ, not their seeds.",
+    "sharded": "their parameters are sharded DTensors (FSDP2 / tensor parallel) and no layout "
+    "was declared, so every rank's shard was compared with every other rank's.",
+}
+WEIGHT_ADVICE = {
+    "values": "every replica must start from the same weights: seed every rank alike, load "
+    "the same checkpoint everywhere (look for a stale copy on the hosts named), or broadcast "
+    "the weights from one rank before joining.",
+    "unsent": "call agent.join(model, verify_values=True) (or agent.init_process_group(..., "
+    "verify_values=True)) on every rank, or turn the check off for this job with "
+    "--job-policy JOB:weights=off.",
+    "buffers": "compare the model config on the ranks named (for example rope_theta, "
+    "rope_scaling, max_position_embeddings): buffers such as rotary frequencies are computed "
+    "from it. Load one config everywhere.",
+    "sharded": "declare the layout (agent.layout(...) passed as layout=) so that only the "
+    "ranks holding the same shard are compared, or join without verify_values.",
+}
+
+
 def render_mismatch(
     job_id: str,
     round_: int,
@@ -100,6 +124,7 @@ def render_mismatch(
     diffs: dict[DiffKey, ManifestDiff | None],
     findings: tuple[Finding, ...] = (),
     cause: Cause | None = Cause.SIGNATURE_MISMATCH,
+    weights: str = "values",
 ) -> str:
     if cause is Cause.SIGNATURE_MISMATCH and not any(c.group for c in classes):
         head = (
@@ -109,10 +134,7 @@ def render_mismatch(
     elif cause is Cause.RUNTIME:
         head = f"all {world_size} ranks joined, but their runtimes disagree."
     elif cause is Cause.WEIGHTS:
-        head = (
-            f"all {world_size} ranks joined with matching models, but replicas start from "
-            "different weights."
-        )
+        head = f"all {world_size} ranks joined with matching models, but " + WEIGHT_HEADS[weights]
     else:
         head = f"all {world_size} ranks joined, but their layered identities disagree."
     lines = [f"cohortgate refused to form job '{job_id}' round {round_}: {head}"]
@@ -120,11 +142,7 @@ def render_mismatch(
         lines.append(f"{f.level} {f.check}: {f.text}")
     lines += _class_lines(classes, diffs)
     if cause is Cause.WEIGHTS:
-        lines.append(
-            "What to do: every replica must start from the same weights: seed every rank "
-            "alike, load the same checkpoint everywhere (look for a stale copy on the hosts "
-            "named), or broadcast the weights from one rank before joining."
-        )
+        lines.append("What to do: " + WEIGHT_ADVICE[weights])
         return "\n".join(lines)
     lines.append(
         "What to do: every rank must build the same model (same code, config and dtype) "
@@ -280,5 +298,6 @@ def build_verdict(
         diffs,
         decision.findings,
         decision.cause,
+        str(decision.detail.get("weights", "values")),
     )
     return replace(base, diffs=diffs, report=report)

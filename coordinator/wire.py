@@ -120,6 +120,7 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         layout=layout,
         weights_digest=bytes(req.weights_digest),
         launch=_text(req.launch, "launch"),
+        sharded_without_layout=req.sharded_without_layout,
     )
     return JoinIntent(
         job_id=job_id, round=req.round, member=member, world_size=req.world_size, quiet=req.quiet

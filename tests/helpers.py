@@ -225,6 +225,7 @@ def agent_rank(
     m: Manifest,
     timeout_s: float = 60,
     digests: list[bytes] | None = None,
+    sharded_without_layout: bool = False,
 ) -> pb.Verdict:
     """One rank through the agent's real join client (retries, backoff), without torch."""
     from agent.client import JoinOptions, join
@@ -250,6 +251,7 @@ def agent_rank(
         runtime=pb.RuntimeFacts(),
         options=JoinOptions(timeout_s=timeout_s, backoff_max_s=0.5),
         digests=digests,
+        sharded_without_layout=sharded_without_layout,
     )
 
 

@@ -269,7 +269,16 @@ def cohort(addr: str, job: str, models: Mapping[int, nn.Module], **kw: Any) -> l
     def rank(r: int) -> pb.Verdict:
         m = models[r]
         digests = None if kw.get("no_digest") == r else [d for _, d in weight_digests(m)]
-        return agent_rank(addr, job, r, len(models), build_manifest(m), 30, digests=digests)
+        return agent_rank(
+            addr,
+            job,
+            r,
+            len(models),
+            build_manifest(m),
+            30,
+            digests=digests,
+            sharded_without_layout=kw.get("sharded", False),
+        )
 
     with ThreadPoolExecutor(len(models)) as pool:
         return list(pool.map(rank, sorted(models)))
@@ -315,7 +324,41 @@ def test_a_rank_without_digest_is_refused_under_strict(strict: tuple[str, Path])
     addr, _ = strict
     verdicts = cohort(addr, "nodigest", {r: model() for r in range(3)}, no_digest=1)
     assert {v.outcome for v in verdicts} == {pb.Verdict.OUTCOME_REFUSED}
-    assert "1 rank(s) 1 sent no weight digest" in verdicts[0].refusal.report
+    report = verdicts[0].refusal.report
+    assert "1 rank(s) 1 sent no weight digest" in report
+    # its own headline and advice, not the seed advice
+    assert "some ranks sent no weight digest, which the weights check (strict) requires" in report
+    assert "verify_values=True" in report and "seed every rank alike" not in report
+
+
+class Rotary(nn.Module):
+    """A Llama-like block: a rotary buffer computed from the config's rope_theta."""
+
+    def __init__(self, rope_theta: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+        freq = 1.0 / (rope_theta ** (torch.arange(0, 8, 2).float() / 8))
+        self.register_buffer("inv_freq", freq, persistent=False)
+
+
+def test_a_config_difference_caught_in_buffers_is_not_called_a_seed_problem(
+    strict: tuple[str, Path],
+) -> None:
+    addr, _ = strict
+    models = {r: Rotary(500000.0 if r == 3 else 10000.0) for r in range(4)}
+    report = cohort(addr, "rope", models)[0].refusal.report
+    assert "buffers computed from the model config differ" in report, report
+    assert "first 'inv_freq'" in report and "rope_theta" in report
+    assert "seed every rank alike" not in report
+
+
+def test_sharded_weights_without_a_layout_say_to_declare_one(strict: tuple[str, Path]) -> None:
+    addr, _ = strict
+    verdicts = cohort(addr, "fsdp", {r: model(seed=r) for r in range(2)}, sharded=True)
+    report = verdicts[0].refusal.report
+    assert "sharded DTensors (FSDP2 / tensor parallel) and no layout was declared" in report
+    assert "declare the layout" in report and "seed every rank alike" not in report
 
 
 def test_warn_forms_and_off_ignores(tmp_path: Path) -> None:

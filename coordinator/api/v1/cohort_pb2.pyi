@@ -107,6 +107,7 @@ class JoinRequest(_message.Message):
     WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
     WEIGHTS_DIGEST_FORMAT_FIELD_NUMBER: _builtins.int
     LAUNCH_FIELD_NUMBER: _builtins.int
+    SHARDED_WITHOUT_LAYOUT_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -143,6 +144,10 @@ class JoinRequest(_message.Message):
     (MASTER_ADDR:MASTER_PORT, the same on every node of one launch), or
     COHORTGATE_LAUNCH. Two launches that reuse one job id never form one cohort.
     """
+    sharded_without_layout: _builtins.bool
+    """Some parameters are sharded DTensors (FSDP2, tensor parallel) but no layout was
+    declared: a weights refusal then says to declare one, not to fix the seeds.
+    """
     @_builtins.property
     def runtime(self) -> Global___RuntimeFacts: ...
     @_builtins.property
@@ -170,10 +175,11 @@ class JoinRequest(_message.Message):
         weights_digest: _builtins.bytes = ...,
         weights_digest_format: _builtins.int = ...,
         launch: _builtins.str = ...,
+        sharded_without_layout: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "launch", b"launch", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "launch", b"launch", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "sharded_without_layout", b"sharded_without_layout", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
