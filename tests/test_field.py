@@ -413,13 +413,13 @@ def test_every_flag_the_readme_names_exists() -> None:
                     key, rest = f"examples/{word[9:-3]}", words[i + 1 :]
                 else:
                     continue
+                # a command's flags end at the script it runs (whose own are checked next)
                 script = next((j for j, w in enumerate(rest) if w.endswith(".py")), len(rest))
                 for flag in [w.split("=")[0] for w in rest[:script] if w.startswith("--")]:
                     known = flag in help_of(key) or (key == "cohortgate run" and flag in torchrun)
                     assert known, f"README: {line.strip()!r}: {flag} is not in {key} --help"
                     checked.append((key, flag))
-                break
-    assert len(checked) > 25, checked
+    assert len(checked) > 15, checked
     assert {k for k, _ in checked} >= {
         "cohortgate serve",
         "cohortgate run",
