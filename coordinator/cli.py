@@ -33,14 +33,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         const=True,
         help="allow a non-loopback --listen address",
     )
-    p.add_argument("--join-deadline", type=float, help="seconds from a cohort's first join (600)")
-    p.add_argument("--manifest-timeout", type=float, help="seconds to wait for manifests (30)")
-    p.add_argument("--progress-interval", type=float, help="seconds between progress events (1)")
-    p.add_argument("--grace", type=float, help="seconds of graceful shutdown on SIGTERM (5)")
+    p.add_argument("--join-deadline", type=float, help="seconds from a cohort's first join")
+    p.add_argument("--manifest-timeout", type=float, help="seconds to wait for manifests")
+    p.add_argument("--progress-interval", type=float, help="seconds between progress events")
+    p.add_argument("--grace", type=float, help="seconds of graceful shutdown on SIGTERM")
     p.add_argument(
-        "--log-format", choices=["auto", "json", "console"], help="(auto: console on a tty)"
+        "--log-format",
+        choices=["auto", "json", "console"],
+        help="auto: console on a tty, else JSON",
     )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="")
     p.add_argument(
         "--port-file",
         type=Path,
@@ -54,11 +56,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--history",
         help="SQLite file of past verdicts (default ~/.local/state/cohortgate/history.sqlite; off)",
     )
-    p.add_argument("--history-retention-days", type=float, help="days a verdict is kept (30)")
+    p.add_argument("--history-retention-days", type=float, help="days a verdict is kept")
     p.add_argument("--job-retention", type=float, help="seconds a decided job stays in memory")
-    p.add_argument(
-        "--rank-grace", type=float, help="seconds within which a dead rank is dropped (15)"
-    )
+    p.add_argument("--rank-grace", type=float, help="seconds within which a dead rank is dropped")
     p.add_argument(
         "--policy",
         action="append",
@@ -76,6 +76,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
     for limit in ("message-bytes", "world-size", "manifest-entries", "cohorts", "waiting-ranks"):
         p.add_argument(f"--max-{limit}", type=int, help=f"limit: max {limit.replace('-', ' ')}")
+    # Every line says its default, taken from the one place defaults live.
+    for action in p._actions:
+        field = ServeConfig.model_fields.get(action.dest)
+        if field is None or "default" in (action.help or ""):
+            continue
+        default = field.default
+        shown = "off" if default in (None, "", False) else default
+        action.help = f"{action.help or ''} (default: {shown})".lstrip()
 
 
 def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -87,7 +95,7 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "one call per node instead of one per rank. Upstream TLS and token come from "
         "COHORTGATE_TLS_* / the ranks' own tokens; the relay itself listens on loopback.",
     )
-    p.add_argument("--upstream", required=True, help="the coordinator, HOST:PORT")
+    p.add_argument("--upstream", required=True, help="the coordinator, HOST:PORT (required)")
     p.add_argument(
         "--listen", default="127.0.0.1:29471", help="HOST:PORT (default 127.0.0.1:29471)"
     )
@@ -104,9 +112,21 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="or this many seconds after the first rank joined (default 2; a late local rank "
         "is sent on its own at once)",
     )
-    p.add_argument("--port-file", type=Path, help="once serving, write the port here")
-    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument(
+        "--port-file", type=Path, help="once serving, write the port here (default: none)"
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["auto", "json", "console"],
+        default="auto",
+        help="auto: console on a tty, else JSON (default: auto)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="(default: info)",
+    )
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

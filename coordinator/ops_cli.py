@@ -27,20 +27,22 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("job", nargs="?", default="", help="only this job")
     p.add_argument("--addr", help=addr_help)
     p.add_argument("--token", help=token_help)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output (default: a table)")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("watch", help="live progress of a job's cohort, then its verdict")
     p.add_argument("job", nargs="?", default="", help="only this job (default: every job)")
     p.add_argument("--addr", help=addr_help)
     p.add_argument("--token", help=token_help)
-    p.add_argument("--json", action="store_true", help="one JSON object per change")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per change (default: a live bar)"
+    )
     p.set_defaults(func=cmd_watch)
     p = sub.add_parser("explain", help="the full report of a past verdict, from history")
     p.add_argument("job")
     p.add_argument("round", nargs="?", type=int, default=0, help="default: the latest")
     p.add_argument("--addr", help=addr_help)
     p.add_argument("--token", help=token_help)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output (default: a table)")
     p.add_argument(
         "--history",
         help="read this SQLite history file directly instead of asking a coordinator (default: "

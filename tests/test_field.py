@@ -426,3 +426,51 @@ def test_every_flag_the_readme_names_exists() -> None:
         "cohortgate relay",
         "examples/train",
     }
+
+
+def test_every_help_line_states_its_default() -> None:
+    import argparse
+
+    from coordinator.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        (name, a.option_strings[-1])
+        for name, parser in sub.choices.items()
+        for a in parser._actions
+        if a.option_strings and a.dest != "help" and not a.required
+        if "default" not in (a.help or "")
+    ]
+    assert missing == []
+    assert "(default 600" in cli("run", "--help").stdout
+
+
+def test_explain_reads_the_history_file_when_no_coordinator_answers(tmp_path: Path) -> None:
+    history = tmp_path / "history.sqlite"
+    with coordinator_process("--join-deadline", "30", tmp=tmp_path) as (addr, _):
+        threads = [
+            threading.Thread(
+                target=run_rank,
+                args=(
+                    addr,
+                    join_request("gone2", r, 2, manifest_of(width=4 + r)),
+                    manifest_of(width=4 + r),
+                ),
+            )
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    nobody = f"127.0.0.1:{free_port()}"
+    direct = cli("explain", "gone2", "--history", str(history), "--addr", nobody)
+    assert direct.returncode == 0, direct.stderr
+    assert "job gone2 round 1: refused" in direct.stdout
+    assert "differs:   signature" in direct.stdout
+    fallback = cli("explain", "gone2", "--addr", nobody, COHORTGATE_HISTORY=str(history))
+    assert fallback.returncode == 0, fallback.stderr
+    assert f"no coordinator answers at {nobody}; reading {history}" in fallback.stderr
+    assert fallback.stdout == direct.stdout
+    none = cli("explain", "never", "--history", str(history))
+    assert none.returncode == 1 and "no verdict of job 'never'" in none.stderr
