@@ -17,7 +17,7 @@ from coordinator.addr import DEFAULT_ADDR
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.channel import ClientSecurity
-from coordinator.wire import STATE_NAMES
+from coordinator.wire import STATE_NAMES, record_to_pb
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -180,19 +180,7 @@ def _from_file(path: str, job: str, round_: int) -> pb.VerdictRecord | None:
         row = history.get(job, round_)
     finally:
         history.close()
-    if row is None:
-        return None
-    return pb.VerdictRecord(
-        job_id=row.job_id,
-        round=row.round,
-        cohort_id=row.cohort_id,
-        outcome=row.outcome,
-        cause=row.cause,
-        reason=row.reason,
-        report=row.report,
-        decided_at_unix=row.decided_at,
-        world_size=row.world_size,
-    )
+    return None if row is None else record_to_pb(row)
 
 
 def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int:

@@ -34,8 +34,9 @@ def holder(port: int) -> str | None:
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
                 if os.readlink(fd) in inodes:
-                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                    return f"pid {proc.name} ({cmd.strip()[:100]})"
+                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                    shown = cmd if len(cmd) <= 160 else cmd[:157] + "..."
+                    return f"pid {proc.name} ({shown})"
     return "another process"
 
 

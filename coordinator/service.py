@@ -260,12 +260,16 @@ class Coordinator:
         if self.registry.abandon(cohort):
             self._abandoned(cohort)
 
-    def _abandoned(self, cohort: Cohort) -> None:
+    def _settle(self, cohort: Cohort) -> None:
+        """A cohort stops waiting (decided or abandoned): its timers and progress go."""
         for label in ("deadline", "manifests"):
             timer = self._timers.pop((cohort.job_id, cohort.round, label), None)
             if timer is not None:
                 timer.cancel()
         self._progress.pop((cohort.job_id, cohort.round), None)
+
+    def _abandoned(self, cohort: Cohort) -> None:
+        self._settle(cohort)
         self.observer.abandoned()
         self._changed(cohort)
         log.info(
@@ -381,11 +385,7 @@ class Coordinator:
             cause=verdict.cause.value if verdict.cause else None,
             warnings=[f"{f.check}: {f.text}" for f in verdict.findings if f.level == "warn"],
         )
-        for label in ("deadline", "manifests"):
-            timer = self._timers.pop((cohort.job_id, cohort.round, label), None)
-            if timer is not None:
-                timer.cancel()
-        self._progress.pop((cohort.job_id, cohort.round), None)
+        self._settle(cohort)
         for m in cohort.state.members.values():
             self._poke(cohort, m)
         self.observer.decided(cohort)
