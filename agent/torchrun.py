@@ -101,10 +101,15 @@ def launch_of(env: Mapping[str, str], host: str) -> str:
         return env["COHORTGATE_LAUNCH"]
     if not env.get("TORCHELASTIC_RUN_ID"):
         return ""  # not under torchrun: nothing to tell launches apart by
-    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
-    if addr and port and port != "0":
-        return f"{addr}:{port}"
-    return f"{host}/torchrun-{os.getppid()}"
+    master = _master(env)
+    return f"{master[0]}:{master[1]}" if master else f"{host}/torchrun-{os.getppid()}"
+
+
+def _master(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """torchrun's store endpoint (MASTER_ADDR, MASTER_PORT). None where there is none: a
+    static launch with --master-port 0 hands its workers port 0, and no store is there."""
+    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    return (host, int(port)) if host and port.isdigit() and int(port) else None
 
 
 def torchrun_store(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
@@ -112,9 +117,7 @@ def torchrun_store(env: Mapping[str, str] | None = None) -> tuple[str, int] | No
     env = os.environ if env is None else env
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
-    # A static launch with --master-port 0 hands its workers port 0: no store is there.
-    return (host, int(port)) if host and port.isdigit() and int(port) else None
+    return _master(env)
 
 
 def free_port(host: str = "") -> int:

@@ -446,7 +446,10 @@ def _weights_gate(
             )
         )
     awaiting: list[bytes] = []
-    buffers_only = True  # every difference found lies in buffers (computed from config)
+    pairs = 0  # classes holding other weights than their group's reference
+    # Every pair's differing tensors are known and all are buffers: computed from the model
+    # config (rotary frequencies), not initialised from a seed.
+    buffers_only = True
     for label, classes in weight_classes(cohort).items():
         if len(classes) < 2:
             continue
@@ -456,7 +459,11 @@ def _weights_gate(
         reference = cohort.tensor_digests.get(ref_digest)
         signature = cohort.members[ref_ranks[0]].signature
         manifest = cohort.manifests.get(signature)
+        buffers = (
+            {e.name for e in manifest.entries if e.kind.value == "buffer"} if manifest else set()
+        )
         for digest, ranks in ordered[1:]:
+            pairs += 1
             other = cohort.tensor_digests.get(digest)
             hosts = sorted({cohort.members[r].host for r in ranks})
             who = (
@@ -465,12 +472,12 @@ def _weights_gate(
                 f"than ranks [{ranges.compress_capped(ref_ranks)}]"
             )
             if reference is None or other is None or manifest is None:
+                buffers_only = False
                 awaiting += [d for d in (ref_digest, digest) if d not in cohort.tensor_digests]
                 found.append(Finding("weights", level, who, tuple(ranks)))
                 continue
             names = [e.name for e in manifest.entries]
             differ = differing(names, reference, other)
-            buffers = {e.name for e in manifest.entries if e.kind.value == "buffer"}
             buffers_only = buffers_only and bool(differ) and set(differ) <= buffers
             shown = ", ".join(f"'{x}'" for x in differ[:NAMES_SHOWN])
             more = f" and {len(differ) - NAMES_SHOWN} more" if len(differ) > NAMES_SHOWN else ""
@@ -492,12 +499,11 @@ def _weights_gate(
         )
     findings += found
     if level == STRICT and found:
-        apart = [f for f in found if f.ranks and "sent no weight digest" not in f.text]
-        if not apart:
+        if not pairs:
             kind, what = "unsent", "weight digests missing"
         elif any(m.sharded_without_layout and m.layout is None for m in cohort.members.values()):
             kind, what = "sharded", "sharded weights compared without a layout"
-        elif buffers_only and all(" tensors differ" in f.text for f in apart):
+        elif buffers_only:
             kind, what = "buffers", "buffers differ (model config)"
         else:
             kind, what = "values", "weights differ"

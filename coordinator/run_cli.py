@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
+from coordinator.addr import split_host_port
 from coordinator.launch import LaunchError, check_script, job_id, parse_torchrun
 from coordinator.spawn import spawn
 
@@ -43,6 +44,7 @@ temporary directory, and exits 128+signal (130, 143).
 """
 
 OWN_OPTIONS = ("--coordinator", "--join-deadline", "--no-relay", "-h", "--help")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # torchrun's own shutdown of its workers after SIGTERM; then the whole group is killed.
 STOP_GRACE_S = 30.0
 
@@ -121,8 +123,6 @@ def cmd_run(argv: Sequence[str]) -> int:
         else:
             deadline = value
     try:
-        from coordinator.addr import split_host_port
-
         if coordinator is not None:
             split_host_port(coordinator)
         if deadline is not None and not _positive(deadline):
@@ -142,8 +142,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     env = dict(os.environ)
     env["COHORTGATE_JOB"] = job.value
     stop = _Stop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     server: subprocess.Popen[bytes] | None = None
     relay_proc: subprocess.Popen[bytes] | None = None
     with tempfile.TemporaryDirectory(prefix="cohortgate-") as tmp:
@@ -199,10 +198,8 @@ def cmd_run(argv: Sequence[str]) -> int:
         finally:
             for child in (relay_proc, server):
                 _end(child)
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(
-                    sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler
-                )
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _positive(text: str) -> bool:
