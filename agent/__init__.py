@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from coordinator.diff import ManifestDiff, diff
-from coordinator.layout import Layout, LayoutBuilder, config_fingerprint, layout
-from coordinator.manifest import Entry, Kind, Manifest, ManifestError
+from coordinator.contract.diff import ManifestDiff, diff
+from coordinator.contract.layout import Layout, LayoutBuilder, config_fingerprint, layout
+from coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
     from agent.client import CohortgateError

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import grpc
 
 from agent.torchrun import RankIdentity
-from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.channel import ClientSecurity
-from coordinator.digests import DIGEST_FORMAT_VERSION, combine
-from coordinator.layout import Layout
-from coordinator.manifest import Manifest
+from coordinator.codec.channel import ClientSecurity
+from coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
+from coordinator.contract.layout import Layout
+from coordinator.contract.manifest import Manifest
+from coordinator.edge import rpc as wire
 
 logger = logging.getLogger("cohortgate.agent")
 

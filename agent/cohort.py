@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 from agent.client import JoinOptions
 from agent.client import join as client_join
 from agent.torchrun import RankIdentity, free_port, torchrun_store, write_error_file
-from coordinator.layout import Layout, LayoutBuilder
+from coordinator.contract.layout import Layout, LayoutBuilder
 
 if TYPE_CHECKING:
     import torch

@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from coordinator.digests import FORMAT, combine
-from coordinator.manifest import ManifestError
+from coordinator.contract.digests import FORMAT, combine
+from coordinator.contract.manifest import ManifestError
 
 __all__ = ["FORMAT", "KERNEL", "chunk_sums", "combine", "tensor_digest", "weight_digests"]
 

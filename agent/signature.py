@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING, Any
 
-from coordinator.manifest import Entry, Kind, Manifest, ManifestError
+from coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from coordinator.addr import DEFAULT_ADDR, split_host_port
+from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
 
 
 class AgentConfigError(RuntimeError):

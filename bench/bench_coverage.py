@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.coverage import Piece, check, check_arrays
+from coordinator.decision.coverage import Piece, check, check_arrays
 
 
 def main() -> int:

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from coordinator.spawn import spawn
+from coordinator.cli.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 def manifest_for(entries: int, variant: int) -> Any:
-    from coordinator.manifest import Entry, Kind, Manifest
+    from coordinator.contract.manifest import Entry, Kind, Manifest
 
     items = [
         Entry(Kind.PARAMETER, f"layers.{i // 4}.w{i % 4}", "bfloat16", (1024, 1024 + variant), True)
@@ -75,9 +75,9 @@ def _client_proc(
 ) -> None:
     import grpc
 
-    from coordinator import wire
     from coordinator.api.v1 import cohort_pb2 as pb
     from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from coordinator.edge import rpc as wire
 
     manifests = {v: manifest_for(entries, v) for v in range(signatures)}
 

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coordinator.spawn import spawn
+from coordinator.cli.spawn import spawn
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train.py"

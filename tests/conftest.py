@@ -14,6 +14,6 @@ os.environ.setdefault("PYTHONPATH", str(REPO))
 
 # In-process coordinators log through structlog; keep only warnings in the test output
 # (tests that read logs run the coordinator as a subprocess with JSON logs).
-from coordinator import logs  # noqa: E402
+from coordinator.cli import logs  # noqa: E402
 
 logs.configure("console", "warning")

@@ -20,12 +20,12 @@ from typing import Any
 
 import grpc
 
-from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.config import ServeConfig
-from coordinator.manifest import Entry, Kind, Manifest
-from coordinator.server import RunningServer, start
+from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.edge import rpc as wire
+from coordinator.edge.config import ServeConfig
+from coordinator.edge.server import RunningServer, start
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.coverage import PAIRWISE_CAP, Piece, check, check_flat
+from coordinator.decision.coverage import PAIRWISE_CAP, Piece, check, check_flat
 
 
 def kinds(problems: list) -> list[str]:  # type: ignore[type-arg]

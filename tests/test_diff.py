@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import agent
-from coordinator.diff import LIST_CAP
-from coordinator.manifest import Entry, Kind, Manifest
+from coordinator.contract.diff import LIST_CAP
+from coordinator.contract.manifest import Entry, Kind, Manifest
 from tests.models import Block, tiny
 
 

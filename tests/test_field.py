@@ -19,7 +19,7 @@ import pytest
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.launch import LaunchError, job_id, parse_torchrun
+from coordinator.cli.launch import LaunchError, job_id, parse_torchrun
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -72,7 +72,7 @@ def test_torchruns_option_table_matches_torch() -> None:
     table must be torch's own: a torch upgrade that adds or drops one fails here."""
     from torch.distributed.run import get_args_parser
 
-    from coordinator.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
+    from coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
 
     theirs = {
         a.dest: (tuple(a.option_strings), a.nargs == 0)
@@ -388,7 +388,7 @@ def test_every_flag_the_readme_names_exists() -> None:
     uses is in that command's --help (for run: cohortgate run's, or torchrun's options)."""
     import re
 
-    from coordinator.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
+    from coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
 
     torchrun = {o for t in (TORCHRUN_FLAGS, TORCHRUN_VALUES) for opts in t.values() for o in opts}
     helps: dict[str, str] = {}
@@ -436,7 +436,7 @@ def test_every_flag_the_readme_names_exists() -> None:
 def test_every_help_line_states_its_default() -> None:
     import argparse
 
-    from coordinator.cli import build_parser
+    from coordinator.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     missing = [

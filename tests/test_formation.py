@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import ranges
-from coordinator.formation import (
+from coordinator.contract import ranges
+from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.decision.formation import (
     Cause,
     CohortState,
     FormationOptions,
@@ -14,7 +15,6 @@ from coordinator.formation import (
     decide,
     signature_classes,
 )
-from coordinator.manifest import Entry, Kind, Manifest
 
 SIG_A = b"a" * 32
 SIG_B = b"b" * 32

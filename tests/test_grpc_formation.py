@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.manifest import Entry, Kind, Manifest
+from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.edge import rpc as wire
 from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_cohort, run_rank
 
 FORMED = pb.Verdict.OUTCOME_FORMED

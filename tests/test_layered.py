@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.formation import Cause, CohortState, FormationOptions, Member, Outcome, decide
-from coordinator.layered import Policies
-from coordinator.layout import (
+from coordinator.contract.layout import (
     MEGATRON_ORDER,
     Layout,
     LayoutBuilder,
@@ -15,7 +13,16 @@ from coordinator.layout import (
     layout,
     position_from_rank,
 )
-from coordinator.manifest import Entry, Kind, Manifest
+from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.decision.checks import Policies
+from coordinator.decision.formation import (
+    Cause,
+    CohortState,
+    FormationOptions,
+    Member,
+    Outcome,
+    decide,
+)
 
 
 def manifest(rows: int) -> Manifest:

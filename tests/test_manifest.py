@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from coordinator.manifest import MANIFEST_FORMAT_VERSION, Entry, Kind, Manifest, ManifestError
+from coordinator.contract.manifest import (
+    MANIFEST_FORMAT_VERSION,
+    Entry,
+    Kind,
+    Manifest,
+    ManifestError,
+)
 
 P, B = Kind.PARAMETER, Kind.BUFFER
 
@@ -93,7 +99,7 @@ def test_round_trip_through_json_hashes_identically() -> None:
 
 def test_signature_is_the_same_in_another_process() -> None:
     code = (
-        "from coordinator.manifest import Entry, Kind, Manifest;"
+        "from coordinator.contract.manifest import Entry, Kind, Manifest;"
         "print(Manifest.of([Entry(Kind.PARAMETER, 'w', 'float32', (3, 2), True),"
         "Entry(Kind.BUFFER, 'rm', 'float32', (2,))]).signature_hex())"
     )
@@ -137,7 +143,10 @@ def test_from_dict_refuses_other_formats_and_garbage() -> None:
 
 
 def test_coordinator_manifest_does_not_import_torch() -> None:
-    code = "import sys, coordinator.manifest, coordinator.diff; print('torch' in sys.modules)"
+    code = (
+        "import sys, coordinator.contract.manifest, coordinator.contract.diff;"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )

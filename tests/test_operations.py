@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from coordinator.metrics import Metrics
+from coordinator.service.metrics import Metrics
 from tests.helpers import (
     REPO,
     InProcessCoordinator,

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.manifest import Manifest
+from coordinator.contract.manifest import Manifest
+from coordinator.edge import rpc as wire
 from tests.helpers import (
     REPO,
     InProcessCoordinator,

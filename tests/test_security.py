@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.channel import ClientSecurity
+from coordinator.codec.channel import ClientSecurity
 from tests.helpers import (
     InProcessCoordinator,
     agent_rank,
@@ -109,7 +109,7 @@ def join_once(
     for event in stub.Join(request, timeout=10, metadata=metadata):
         kind = event.WhichOneof("event")
         if kind == "manifest_request":
-            from coordinator import wire
+            from coordinator.edge import rpc as wire
 
             stub.UploadManifest(
                 pb.UploadManifestRequest(

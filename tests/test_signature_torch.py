@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import agent
-from coordinator.manifest import Kind, ManifestError
+from coordinator.contract.manifest import Kind, ManifestError
 from tests.models import TinyTransformer, tiny
 
 

@@ -26,8 +26,8 @@ from agent.digest import (
 from agent.signature import manifest as build_manifest
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.manifest import ManifestError
-from coordinator.spawn import spawn
+from coordinator.cli.spawn import spawn
+from coordinator.contract.manifest import ManifestError
 from tests.helpers import (
     agent_rank,
     coordinator_process,

@@ -13,11 +13,11 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from coordinator.addr import DEFAULT_ADDR
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.channel import ClientSecurity
-from coordinator.wire import STATE_NAMES, record_to_pb
+from coordinator.codec.channel import ClientSecurity
+from coordinator.contract.addr import DEFAULT_ADDR
+from coordinator.edge.rpc import STATE_NAMES, record_to_pb
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -173,7 +173,7 @@ def _print_report(
 
 
 def _from_file(path: str, job: str, round_: int) -> pb.VerdictRecord | None:
-    from coordinator.history import History
+    from coordinator.state.history import History
 
     history = History(path, readonly=True)
     try:
@@ -201,7 +201,7 @@ def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int
 def cmd_explain(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coordinator.config import DEFAULT_HISTORY
+    from coordinator.edge.config import DEFAULT_HISTORY
 
     addr = _addr(args)
     record: pb.VerdictRecord | int

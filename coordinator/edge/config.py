@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from coordinator.addr import DEFAULT_ADDR, split_host_port
-from coordinator.formation import FormationOptions
-from coordinator.layered import Policies
-from coordinator.limits import Limits
+from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
+from coordinator.contract.limits import Limits
+from coordinator.decision.checks import Policies
+from coordinator.decision.formation import FormationOptions
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
 DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"

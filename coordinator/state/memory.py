@@ -5,18 +5,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.digests import DIGEST_BYTES, combine
-from coordinator.errors import (
+from coordinator.contract.digests import DIGEST_BYTES, combine
+from coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
     InvalidArgument,
     LimitExceeded,
     NotFound,
 )
-from coordinator.formation import CohortState, Decision, FormationOptions, Member, Outcome, decide
-from coordinator.limits import Limits
-from coordinator.manifest import Manifest
-from coordinator.report import Verdict, build_verdict
+from coordinator.contract.limits import Limits
+from coordinator.contract.manifest import Manifest
+from coordinator.decision.formation import (
+    CohortState,
+    Decision,
+    FormationOptions,
+    Member,
+    Outcome,
+    decide,
+)
+from coordinator.decision.report import Verdict, build_verdict
 
 # Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
 # verdict back; older rounds are forgotten (the history database keeps them for good).

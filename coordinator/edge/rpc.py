@@ -4,25 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator import ranges
 from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.diff import LIST_CAP, Change, ManifestDiff, OrderChange
-from coordinator.diff import FirstDifference as DomainFirstDifference
-from coordinator.digests import DIGEST_FORMAT_VERSION
-from coordinator.errors import (
+from coordinator.contract import ranges
+from coordinator.contract.diff import LIST_CAP, Change, ManifestDiff, OrderChange
+from coordinator.contract.diff import FirstDifference as DomainFirstDifference
+from coordinator.contract.digests import DIGEST_FORMAT_VERSION
+from coordinator.contract.errors import (
     CohortgateError,
     FailedPrecondition,
     InvalidArgument,
     LimitExceeded,
 )
-from coordinator.formation import Cause, Member, Outcome
-from coordinator.history import VerdictRow
-from coordinator.layout import AXES, Layout, ShardPiece
-from coordinator.limits import Limits
-from coordinator.manifest import MANIFEST_FORMAT_VERSION, Entry, Kind, Manifest, ManifestError
-from coordinator.report import Verdict
-from coordinator.state import Cohort, JoinIntent
-from coordinator.status import CohortSummary
+from coordinator.contract.layout import AXES, Layout, ShardPiece
+from coordinator.contract.limits import Limits
+from coordinator.contract.manifest import (
+    MANIFEST_FORMAT_VERSION,
+    Entry,
+    Kind,
+    Manifest,
+    ManifestError,
+)
+from coordinator.decision.formation import Cause, Member, Outcome
+from coordinator.decision.report import Verdict
+from coordinator.service.status import CohortSummary
+from coordinator.state.history import VerdictRow
+from coordinator.state.memory import Cohort, JoinIntent
 
 PROTOCOL_VERSION = 1
 DEFAULT_LIMITS = Limits()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field, replace
 
-from coordinator import ranges
-from coordinator.diff import ManifestDiff, diff
-from coordinator.formation import (
+from coordinator.contract import ranges
+from coordinator.contract.diff import ManifestDiff, diff
+from coordinator.decision.checks import Finding
+from coordinator.decision.formation import (
     Cause,
     CohortState,
     Decision,
@@ -15,7 +16,6 @@ from coordinator.formation import (
     Outcome,
     SignatureClass,
 )
-from coordinator.layered import Finding
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
 HOST_CAP = 8

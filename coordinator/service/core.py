@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import structlog
 
-from coordinator import ranges
-from coordinator.errors import FailedPrecondition, Unavailable
-from coordinator.formation import FormationOptions, Member
-from coordinator.limits import Limits
-from coordinator.manifest import Manifest
-from coordinator.observers import Observer
-from coordinator.report import Verdict
-from coordinator.state import Cohort, JoinIntent, ManifestMismatch, Registry
-from coordinator.status import CohortSummary, summarize
+from coordinator.contract import ranges
+from coordinator.contract.errors import FailedPrecondition, Unavailable
+from coordinator.contract.limits import Limits
+from coordinator.contract.manifest import Manifest
+from coordinator.decision.formation import FormationOptions, Member
+from coordinator.decision.report import Verdict
+from coordinator.service.observers import Observer
+from coordinator.service.status import CohortSummary, summarize
+from coordinator.state.memory import Cohort, JoinIntent, ManifestMismatch, Registry
 
 log = structlog.get_logger("cohortgate")
 _DIGITS = re.compile(r"\d+")

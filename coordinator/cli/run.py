@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from coordinator.addr import split_host_port
-from coordinator.launch import LaunchError, check_script, job_id, parse_torchrun
-from coordinator.spawn import spawn
+from coordinator.cli.launch import LaunchError, check_script, job_id, parse_torchrun
+from coordinator.cli.spawn import spawn
+from coordinator.contract.addr import split_host_port
 
 RUN_USAGE = """\
 usage: cohortgate run [--coordinator HOST:PORT] [--no-relay] [--join-deadline S]

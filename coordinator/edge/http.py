@@ -13,9 +13,9 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.auth import Auth
-from coordinator.errors import CohortgateError, PermissionDenied
-from coordinator.service import Coordinator
+from coordinator.contract.errors import CohortgateError, PermissionDenied
+from coordinator.edge.auth import Auth
+from coordinator.service.core import Coordinator
 
 # How often the page reloads itself; dashboards need no faster.
 REFRESH_S = 2

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from coordinator.history import History, VerdictRow
-from coordinator.metrics import Metrics
-from coordinator.state import Cohort
-from coordinator.wire import verdict_to_pb
+from coordinator.edge.rpc import verdict_to_pb
+from coordinator.service.metrics import Metrics
+from coordinator.state.history import History, VerdictRow
+from coordinator.state.memory import Cohort
 
 
 class Observer:

@@ -14,14 +14,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.auth import Auth, TokenStore
-from coordinator.config import ServeConfig
-from coordinator.history import History
-from coordinator.http import MetricsServer
-from coordinator.observers import Observer
-from coordinator.ports import BindError, bind, check_free
-from coordinator.service import Coordinator
-from coordinator.servicer import CohortServicer, StatusServicer, add_service
+from coordinator.edge.auth import Auth, TokenStore
+from coordinator.edge.config import ServeConfig
+from coordinator.edge.http import MetricsServer
+from coordinator.edge.ports import BindError, bind, check_free
+from coordinator.edge.servicer import CohortServicer, StatusServicer, add_service
+from coordinator.service.core import Coordinator
+from coordinator.service.observers import Observer
+from coordinator.state.history import History
 
 log = structlog.get_logger("cohortgate")
 

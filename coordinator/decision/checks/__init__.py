@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coordinator import coverage, ranges
-from coordinator.layout import AXES, Layout
+from coordinator.contract import ranges
+from coordinator.contract.layout import AXES, Layout
+from coordinator.decision import coverage
 
 
 class Member(Protocol):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from coordinator import ops_cli
-from coordinator.addr import DEFAULT_ADDR, split_host_port
-from coordinator.config import ServeConfig, from_env_and_flags
-from coordinator.run_cli import cmd_run
+from coordinator.cli import ops as ops_cli
+from coordinator.cli.run import cmd_run
+from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
+from coordinator.edge.config import ServeConfig, from_env_and_flags
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -130,8 +130,8 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    from coordinator import logs
-    from coordinator.relay import serve_relay
+    from coordinator.cli import logs
+    from coordinator.edge.relay import serve_relay
 
     if args.local_ranks < 1 or args.window < 0:
         print("cohortgate relay: --local-ranks must be >= 1 and --window >= 0", file=sys.stderr)
@@ -160,7 +160,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator import logs, server
+    from coordinator.cli import logs
+    from coordinator.edge import server
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     for name in ("policy", "job_policy"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from coordinator import ranges
-from coordinator.formation import Cause, FormationOptions
-from coordinator.state import Cohort
+from coordinator.contract import ranges
+from coordinator.decision.formation import Cause, FormationOptions
+from coordinator.state.memory import Cohort
 
 
 @dataclass(frozen=True)

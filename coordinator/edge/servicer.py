@@ -11,11 +11,9 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from coordinator import wire
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.auth import Auth
-from coordinator.errors import (
+from coordinator.contract.errors import (
     AlreadyHeld,
     CohortgateError,
     FailedPrecondition,
@@ -26,10 +24,12 @@ from coordinator.errors import (
     Unauthenticated,
     Unavailable,
 )
-from coordinator.limits import Limits
-from coordinator.report import Verdict
-from coordinator.service import Coordinator, DigestAsk, ManifestAsk, Progress, StoredVerdict
-from coordinator.state import JoinIntent
+from coordinator.contract.limits import Limits
+from coordinator.decision.report import Verdict
+from coordinator.edge import rpc as wire
+from coordinator.edge.auth import Auth
+from coordinator.service.core import Coordinator, DigestAsk, ManifestAsk, Progress, StoredVerdict
+from coordinator.state.memory import JoinIntent
 
 log = structlog.get_logger("cohortgate")
 

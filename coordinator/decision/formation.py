@@ -6,9 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator import ranges
-from coordinator.digests import differing
-from coordinator.layered import (
+from coordinator.contract import ranges
+from coordinator.contract.digests import differing
+from coordinator.contract.layout import Layout
+from coordinator.contract.manifest import Manifest
+from coordinator.decision.checks import (
     OFF,
     STRICT,
     WARN,
@@ -17,8 +19,6 @@ from coordinator.layered import (
     layout_findings,
     runtime_findings,
 )
-from coordinator.layout import Layout
-from coordinator.manifest import Manifest
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The cohortgate command: serve, relay, run, status, watch, explain."""

@@ -1,0 +1,1 @@
+"""The pure formation decision: the check registry, shard coverage, verdicts and reports."""

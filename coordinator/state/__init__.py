@@ -1,0 +1,1 @@
+"""Where cohorts live: the state interface, its in-memory implementation, the history."""
