@@ -16,11 +16,11 @@ import grpc
 from agent.torchrun import RankIdentity
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec import wire
 from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Manifest
-from coordinator.edge import rpc as wire
 
 logger = logging.getLogger("cohortgate.agent")
 

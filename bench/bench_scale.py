@@ -77,7 +77,7 @@ def _client_proc(
 
     from coordinator.api.v1 import cohort_pb2 as pb
     from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-    from coordinator.edge import rpc as wire
+    from coordinator.codec import wire
 
     manifests = {v: manifest_for(entries, v) for v in range(signatures)}
 

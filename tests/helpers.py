@@ -22,8 +22,8 @@ import grpc
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec import wire
 from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.edge import rpc as wire
 from coordinator.edge.config import ServeConfig
 from coordinator.edge.server import RunningServer, start
 

@@ -12,8 +12,8 @@ import pytest
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec import wire
 from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.edge import rpc as wire
 from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_cohort, run_rank
 
 FORMED = pb.Verdict.OUTCOME_FORMED

@@ -18,7 +18,7 @@ import pytest
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.cli.spawn import spawn
-from coordinator.edge import rpc as wire
+from coordinator.codec import wire
 from tests.helpers import (
     REPO,
     InProcessCoordinator,

@@ -109,7 +109,7 @@ def join_once(
     for event in stub.Join(request, timeout=10, metadata=metadata):
         kind = event.WhichOneof("event")
         if kind == "manifest_request":
-            from coordinator.edge import rpc as wire
+            from coordinator.codec import wire
 
             stub.UploadManifest(
                 pb.UploadManifestRequest(

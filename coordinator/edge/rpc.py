@@ -1,10 +1,19 @@
-"""Proto <-> domain conversion; every field from the network is validated here first."""
+"""Servicer-side proto <-> domain: join requests validated into intents; verdicts, status
+and history records out. The agent-safe part (manifests, layouts) is `codec.wire`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.codec.wire import (
+    DEFAULT_LIMITS,
+    MAX_JOB_ID,
+    PROTOCOL_VERSION,
+    STATE_TO_PB,
+    entry_to_pb,
+    layout_from_pb,
+    sha256,
+    text,
+)
 from coordinator.contract import ranges
 from coordinator.contract.diff import LIST_CAP, Change, ManifestDiff, OrderChange
 from coordinator.contract.diff import FirstDifference as DomainFirstDifference
@@ -15,34 +24,13 @@ from coordinator.contract.errors import (
     InvalidArgument,
     LimitExceeded,
 )
-from coordinator.contract.layout import AXES, Layout, ShardPiece
 from coordinator.contract.limits import Limits
-from coordinator.contract.manifest import (
-    MANIFEST_FORMAT_VERSION,
-    Entry,
-    Kind,
-    Manifest,
-    ManifestError,
-)
 from coordinator.decision.formation import Cause, Member, Outcome
 from coordinator.decision.report import Verdict
 from coordinator.service.status import CohortSummary
 from coordinator.state.history import VerdictRow
 from coordinator.state.memory import Cohort, JoinIntent
 
-PROTOCOL_VERSION = 1
-DEFAULT_LIMITS = Limits()
-
-MAX_JOB_ID = 256
-MAX_TEXT = 512
-MAX_NAME = 1024
-MAX_DIMS = 64
-
-_KIND_TO_PB = {
-    Kind.PARAMETER: pb.ManifestEntry.KIND_PARAMETER,
-    Kind.BUFFER: pb.ManifestEntry.KIND_BUFFER,
-}
-_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 _CAUSE_TO_PB = {
     Cause.SIGNATURE_MISMATCH: pb.Refusal.CAUSE_SIGNATURE_MISMATCH,
     Cause.DEADLINE: pb.Refusal.CAUSE_DEADLINE,
@@ -54,23 +42,13 @@ _CAUSE_TO_PB = {
 }
 
 
-def _text(value: str, field: str, limit: int = MAX_TEXT, *, required: bool = False) -> str:
-    if required and not value:
-        raise InvalidArgument(f"{field} is empty; it is required")
-    if len(value) > limit:
-        raise InvalidArgument(f"{field} is {len(value)} characters long; the limit is {limit}")
-    if not value.isprintable():
-        raise InvalidArgument(f"{field} {value[:40]!r} holds non-printable characters")
-    return value
-
-
 def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinIntent:
     if req.protocol_version != PROTOCOL_VERSION:
         raise FailedPrecondition(
             f"agent speaks protocol {req.protocol_version}, coordinator {PROTOCOL_VERSION}: "
             "upgrade the older of the two so both speak the same version"
         )
-    job_id = _text(req.job_id, "job_id", MAX_JOB_ID, required=True)
+    job_id = text(req.job_id, "job_id", MAX_JOB_ID, required=True)
     if req.world_size == 0:
         raise InvalidArgument("world_size is 0; a cohort needs at least one rank")
     if req.world_size > limits.max_world_size:
@@ -78,15 +56,8 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
             f"world_size {req.world_size} is above this coordinator's limit "
             f"max_world_size={limits.max_world_size}"
         )
-    if len(req.signature) != 32:
-        raise InvalidArgument(
-            f"signature is {len(req.signature)} bytes; a SHA-256 signature is 32 bytes"
-        )
-    if req.weights_digest and len(req.weights_digest) != 32:
-        raise InvalidArgument(
-            f"weights_digest is {len(req.weights_digest)} bytes; it is a 32-byte SHA-256 "
-            "(or empty when values are not checked)"
-        )
+    signature = sha256(req.signature, "signature")
+    weights_digest = sha256(req.weights_digest, "weights_digest", optional=True)
     if req.weights_digest and req.weights_digest_format != DIGEST_FORMAT_VERSION:
         raise FailedPrecondition(
             f"weights_digest is in format {req.weights_digest_format}, this coordinator "
@@ -98,34 +69,34 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
             f"manifest_entries {req.manifest_entries} is above the limit "
             f"max_manifest_entries={limits.max_manifest_entries}"
         )
-    init_method = _text(req.init_method, "init_method")
+    init_method = text(req.init_method, "init_method")
     if req.rank == 0 and not init_method:
         raise InvalidArgument(
             "rank 0 offered no init_method: rank 0 must offer the rendezvous endpoint "
             "(tcp://HOST:PORT) that the cohort will use"
         )
     runtime = {
-        "torch_version": _text(req.runtime.torch_version, "runtime.torch_version"),
-        "cuda_version": _text(req.runtime.cuda_version, "runtime.cuda_version"),
-        "nccl_version": _text(req.runtime.nccl_version, "runtime.nccl_version"),
-        "device_type": _text(req.runtime.device_type, "runtime.device_type"),
-        "device_name": _text(req.runtime.device_name, "runtime.device_name"),
-        "device_capability": _text(req.runtime.device_capability, "runtime.device_capability"),
+        "torch_version": text(req.runtime.torch_version, "runtime.torch_version"),
+        "cuda_version": text(req.runtime.cuda_version, "runtime.cuda_version"),
+        "nccl_version": text(req.runtime.nccl_version, "runtime.nccl_version"),
+        "device_type": text(req.runtime.device_type, "runtime.device_type"),
+        "device_name": text(req.runtime.device_name, "runtime.device_name"),
+        "device_capability": text(req.runtime.device_capability, "runtime.device_capability"),
     }
     layout = layout_from_pb(req.layout, limits) if req.HasField("layout") else None
     member = Member(
         rank=req.rank,
-        host=_text(req.host, "host", required=True),
+        host=text(req.host, "host", required=True),
         pid=req.pid,
-        incarnation=_text(req.incarnation, "incarnation", 128, required=True),
-        signature=bytes(req.signature),
+        incarnation=text(req.incarnation, "incarnation", 128, required=True),
+        signature=signature,
         manifest_entries=req.manifest_entries,
         local_rank=req.local_rank,
         init_method=init_method,
         runtime=runtime,
         layout=layout,
-        weights_digest=bytes(req.weights_digest),
-        launch=_text(req.launch, "launch"),
+        weights_digest=weights_digest,
+        launch=text(req.launch, "launch"),
         sharded_without_layout=req.sharded_without_layout,
     )
     return JoinIntent(
@@ -172,151 +143,11 @@ def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> 
     return intents
 
 
-# -- layouts --------------------------------------------------------------------------
-MAX_PIECES = 100_000
-
-
-def _dims(values: Sequence[int], what: str) -> tuple[int, ...]:
-    if len(values) > MAX_DIMS:
-        raise LimitExceeded(f"{what} has {len(values)} dimensions; the limit is {MAX_DIMS}")
-    return tuple(values)
-
-
-def layout_from_pb(msg: pb.Layout, limits: Limits = DEFAULT_LIMITS) -> Layout:
-    if len(msg.pieces) > MAX_PIECES:
-        raise LimitExceeded(
-            f"the layout declares {len(msg.pieces)} pieces; the limit is {MAX_PIECES} per rank"
-        )
-    for name, table in (("sizes", msg.sizes), ("position", msg.position)):
-        unknown = sorted(set(table) - set(AXES))
-        if unknown:
-            raise InvalidArgument(
-                f"layout {name} names unknown axes {unknown[:5]}; use {', '.join(AXES)}"
-            )
-    if any(v == 0 or v > limits.max_world_size for v in msg.sizes.values()):
-        raise InvalidArgument(
-            f"layout sizes {dict(msg.sizes)} must each be between 1 and {limits.max_world_size}"
-        )
-    pieces = []
-    for i, p in enumerate(msg.pieces):
-        what = f"layout piece {i} ('{p.tensor[:80]}')"
-        _text(p.tensor, f"{what} tensor", MAX_NAME, required=True)
-        shape = _dims(p.shape, what)
-        offset, length = _dims(p.offset, what), _dims(p.length, what)
-        if any(s < 0 for s in shape):
-            raise InvalidArgument(f"{what} has a negative logical shape {list(shape)}")
-        pieces.append(ShardPiece(p.tensor, shape, offset, length, p.replicated))
-    return Layout(
-        sizes={a: int(msg.sizes.get(a, 1)) for a in AXES},
-        position={a: int(msg.position.get(a, 0)) for a in AXES},
-        config=_text(msg.config, "layout config"),
-        dtype=_text(msg.dtype, "layout dtype"),
-        quantization=_text(msg.quantization, "layout quantization"),
-        pieces=tuple(pieces),
-        format=msg.format,
-    )
-
-
-def layout_to_pb(lay: Layout) -> pb.Layout:
-    return pb.Layout(
-        format=lay.format,
-        sizes=lay.sizes,
-        position=lay.position,
-        config=lay.config,
-        dtype=lay.dtype,
-        quantization=lay.quantization,
-        pieces=[
-            pb.ShardPiece(
-                tensor=p.tensor,
-                shape=p.shape,
-                offset=p.offset,
-                length=p.length,
-                replicated=p.replicated,
-            )
-            for p in lay.pieces
-        ],
-    )
-
-
-# -- manifests ------------------------------------------------------------------------
-def entry_to_pb(entry: Entry) -> pb.ManifestEntry:
-    msg = pb.ManifestEntry(
-        kind=_KIND_TO_PB[entry.kind],
-        name=entry.name,
-        dtype=entry.dtype,
-        shape=entry.shape,
-        requires_grad=entry.requires_grad,
-    )
-    if entry.alias_of is not None:
-        msg.alias_of = entry.alias_of
-    if entry.strides is not None:
-        msg.strides.values.extend(entry.strides)
-    return msg
-
-
-def manifest_to_pb(manifest: Manifest) -> pb.Manifest:
-    return pb.Manifest(
-        format=MANIFEST_FORMAT_VERSION, entries=[entry_to_pb(e) for e in manifest.entries]
-    )
-
-
-def entry_from_pb(msg: pb.ManifestEntry, position: int) -> Entry:
-    kind = _KIND_FROM_PB.get(msg.kind)
-    if kind is None:
-        raise InvalidArgument(f"manifest entry {position} has no kind (parameter or buffer)")
-    if len(msg.name) > MAX_NAME:
-        raise LimitExceeded(
-            f"manifest entry {position} has a name of {len(msg.name)} characters; "
-            f"the limit is {MAX_NAME}"
-        )
-    if len(msg.shape) > MAX_DIMS or len(msg.strides.values) > MAX_DIMS:
-        raise LimitExceeded(
-            f"manifest entry {position} ('{msg.name[:80]}') has more than {MAX_DIMS} dimensions"
-        )
-    return Entry(
-        kind,
-        msg.name,
-        msg.dtype,
-        tuple(msg.shape),
-        msg.requires_grad,
-        msg.alias_of if msg.HasField("alias_of") else None,
-        tuple(msg.strides.values) if msg.HasField("strides") else None,
-    )
-
-
-def manifest_from_pb(msg: pb.Manifest, limits: Limits = DEFAULT_LIMITS) -> Manifest:
-    if msg.format != MANIFEST_FORMAT_VERSION:
-        raise FailedPrecondition(
-            f"manifest format {msg.format} is not the format this coordinator reads "
-            f"({MANIFEST_FORMAT_VERSION}); upgrade the older of agent and coordinator"
-        )
-    if len(msg.entries) > limits.max_manifest_entries:
-        raise LimitExceeded(
-            f"manifest has {len(msg.entries)} entries; the limit is "
-            f"max_manifest_entries={limits.max_manifest_entries}"
-        )
-    try:
-        return Manifest.of(entry_from_pb(e, i) for i, e in enumerate(msg.entries))
-    except ManifestError as exc:
-        raise InvalidArgument(f"invalid manifest: {exc}") from exc
-
-
-# -- status ---------------------------------------------------------------------------
-_STATE_TO_PB = {
-    "waiting": pb.COHORT_STATE_WAITING,
-    "formed": pb.COHORT_STATE_FORMED,
-    "refused": pb.COHORT_STATE_REFUSED,
-    "expired": pb.COHORT_STATE_EXPIRED,
-    "abandoned": pb.COHORT_STATE_ABANDONED,
-}
-STATE_NAMES = {v: k for k, v in _STATE_TO_PB.items()}
-
-
 def summary_to_pb(s: CohortSummary) -> pb.CohortSummary:
     return pb.CohortSummary(
         job_id=s.job_id,
         round=s.round,
-        state=_STATE_TO_PB[s.state],
+        state=STATE_TO_PB[s.state],
         joined=s.joined,
         expected=s.expected,
         age_seconds=s.age_s,

@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec.wire import manifest_from_pb, sha256
 from coordinator.contract.errors import (
     AlreadyHeld,
     CohortgateError,
@@ -26,7 +27,7 @@ from coordinator.contract.errors import (
 )
 from coordinator.contract.limits import Limits
 from coordinator.decision.report import Verdict
-from coordinator.edge import rpc as wire
+from coordinator.edge import rpc
 from coordinator.edge.auth import Auth
 from coordinator.service.core import Coordinator, DigestAsk, ManifestAsk, Progress, StoredVerdict
 from coordinator.state.memory import JoinIntent
@@ -91,7 +92,7 @@ _VERDICT_EVENTS_KEPT = 256
 def _verdict_event(verdict: Verdict) -> bytes:
     cached = _VERDICT_EVENTS.get(verdict.cohort_id)
     if cached is None:
-        cached = pb.JoinEvent(verdict=wire.verdict_to_pb(verdict)).SerializeToString()
+        cached = pb.JoinEvent(verdict=rpc.verdict_to_pb(verdict)).SerializeToString()
         _VERDICT_EVENTS[verdict.cohort_id] = cached
         while len(_VERDICT_EVENTS) > _VERDICT_EVENTS_KEPT:
             _VERDICT_EVENTS.popitem(last=False)
@@ -147,7 +148,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             context,
             "Join",
             request.job_id,
-            lambda: [wire.join_intent(request, self.limits)],
+            lambda: [rpc.join_intent(request, self.limits)],
             rank=request.rank,
         )
 
@@ -158,7 +159,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             context,
             "JoinGroup",
             request.members[0].job_id if request.members else "",
-            lambda: wire.group_intents(request, self.limits),
+            lambda: rpc.group_intents(request, self.limits),
             group=len(request.members),
         )
 
@@ -192,18 +193,15 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
             try:
                 self.auth.check_job(_metadata(context), request.job_id)
-                if len(request.signature) != 32:
-                    raise InvalidArgument(
-                        f"signature is {len(request.signature)} bytes; a SHA-256 signature is 32"
-                    )
-                manifest = wire.manifest_from_pb(request.manifest, self.limits)
+                signature = sha256(request.signature, "signature")
+                manifest = manifest_from_pb(request.manifest, self.limits)
                 self.coordinator.upload(
                     request.job_id,
                     request.round,
                     request.rank,
                     request.incarnation,
                     manifest,
-                    bytes(request.signature),
+                    signature,
                     size=request.manifest.ByteSize(),
                 )
             except CohortgateError as exc:
@@ -262,7 +260,7 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
     ) -> pb.ListCohortsResponse:
         job_id = await self._scope(context, "ListCohorts", request.job_id)
         summaries = self.coordinator.summaries(job_id)
-        return pb.ListCohortsResponse(cohorts=[wire.summary_to_pb(s) for s in summaries])
+        return pb.ListCohortsResponse(cohorts=[rpc.summary_to_pb(s) for s in summaries])
 
     async def GetCohort(
         self, request: pb.GetCohortRequest, context: grpc.aio.ServicerContext
@@ -281,14 +279,14 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
         summary = next(
             s for s in self.coordinator.summaries(cohort.job_id) if s.round == cohort.round
         )
-        return wire.detail_to_pb(summary, cohort)
+        return rpc.detail_to_pb(summary, cohort)
 
     async def WatchCohorts(
         self, request: pb.WatchCohortsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CohortSummary]:
         job_id = await self._scope(context, "WatchCohorts", request.job_id)
         async for summary in self.coordinator.watch(job_id):
-            yield wire.summary_to_pb(summary)
+            yield rpc.summary_to_pb(summary)
 
     async def GetVerdict(
         self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext
@@ -305,7 +303,7 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
         except CohortgateError as exc:
             await _abort(self.coordinator, context, "GetVerdict", exc)
             raise AssertionError("unreachable") from exc
-        return wire.record_to_pb(row)
+        return rpc.record_to_pb(row)
 
 
 class Malformed:

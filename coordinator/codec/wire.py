@@ -1,0 +1,197 @@
+"""Agent-safe proto <-> contract conversion: manifests, layouts, protocol version, states.
+
+Every field from the network is validated here first. Imports only the contract and the
+generated stubs: `import agent.client` loads nothing of the decision, state or service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.contract.errors import FailedPrecondition, InvalidArgument, LimitExceeded
+from coordinator.contract.layout import AXES, Layout, ShardPiece
+from coordinator.contract.limits import Limits
+from coordinator.contract.manifest import (
+    MANIFEST_FORMAT_VERSION,
+    Entry,
+    Kind,
+    Manifest,
+    ManifestError,
+)
+
+PROTOCOL_VERSION = 1
+DEFAULT_LIMITS = Limits()
+
+MAX_JOB_ID = 256
+MAX_TEXT = 512
+MAX_NAME = 1024
+MAX_DIMS = 64
+# A SHA-256: a signature, a weights digest.
+SHA256_BYTES = 32
+
+_KIND_TO_PB = {
+    Kind.PARAMETER: pb.ManifestEntry.KIND_PARAMETER,
+    Kind.BUFFER: pb.ManifestEntry.KIND_BUFFER,
+}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def text(value: str, field: str, limit: int = MAX_TEXT, *, required: bool = False) -> str:
+    if required and not value:
+        raise InvalidArgument(f"{field} is empty; it is required")
+    if len(value) > limit:
+        raise InvalidArgument(f"{field} is {len(value)} characters long; the limit is {limit}")
+    if not value.isprintable():
+        raise InvalidArgument(f"{field} {value[:40]!r} holds non-printable characters")
+    return value
+
+
+def sha256(value: bytes, field: str, *, optional: bool = False) -> bytes:
+    """A 32-byte SHA-256 (a signature, a weights digest); b"" allowed where `optional`."""
+    if (value or not optional) and len(value) != SHA256_BYTES:
+        raise InvalidArgument(
+            f"{field} is {len(value)} bytes; a SHA-256 is {SHA256_BYTES} bytes"
+            + (" (or empty when not sent)" if optional else "")
+        )
+    return bytes(value)
+
+
+# -- layouts --------------------------------------------------------------------------
+MAX_PIECES = 100_000
+
+
+def _dims(values: Sequence[int], what: str) -> tuple[int, ...]:
+    if len(values) > MAX_DIMS:
+        raise LimitExceeded(f"{what} has {len(values)} dimensions; the limit is {MAX_DIMS}")
+    return tuple(values)
+
+
+def layout_from_pb(msg: pb.Layout, limits: Limits = DEFAULT_LIMITS) -> Layout:
+    if len(msg.pieces) > MAX_PIECES:
+        raise LimitExceeded(
+            f"the layout declares {len(msg.pieces)} pieces; the limit is {MAX_PIECES} per rank"
+        )
+    for name, table in (("sizes", msg.sizes), ("position", msg.position)):
+        unknown = sorted(set(table) - set(AXES))
+        if unknown:
+            raise InvalidArgument(
+                f"layout {name} names unknown axes {unknown[:5]}; use {', '.join(AXES)}"
+            )
+    if any(v == 0 or v > limits.max_world_size for v in msg.sizes.values()):
+        raise InvalidArgument(
+            f"layout sizes {dict(msg.sizes)} must each be between 1 and {limits.max_world_size}"
+        )
+    pieces = []
+    for i, p in enumerate(msg.pieces):
+        what = f"layout piece {i} ('{p.tensor[:80]}')"
+        text(p.tensor, f"{what} tensor", MAX_NAME, required=True)
+        shape = _dims(p.shape, what)
+        offset, length = _dims(p.offset, what), _dims(p.length, what)
+        if any(s < 0 for s in shape):
+            raise InvalidArgument(f"{what} has a negative logical shape {list(shape)}")
+        pieces.append(ShardPiece(p.tensor, shape, offset, length, p.replicated))
+    return Layout(
+        sizes={a: int(msg.sizes.get(a, 1)) for a in AXES},
+        position={a: int(msg.position.get(a, 0)) for a in AXES},
+        config=text(msg.config, "layout config"),
+        dtype=text(msg.dtype, "layout dtype"),
+        quantization=text(msg.quantization, "layout quantization"),
+        pieces=tuple(pieces),
+        format=msg.format,
+    )
+
+
+def layout_to_pb(lay: Layout) -> pb.Layout:
+    return pb.Layout(
+        format=lay.format,
+        sizes=lay.sizes,
+        position=lay.position,
+        config=lay.config,
+        dtype=lay.dtype,
+        quantization=lay.quantization,
+        pieces=[
+            pb.ShardPiece(
+                tensor=p.tensor,
+                shape=p.shape,
+                offset=p.offset,
+                length=p.length,
+                replicated=p.replicated,
+            )
+            for p in lay.pieces
+        ],
+    )
+
+
+# -- manifests ------------------------------------------------------------------------
+def entry_to_pb(entry: Entry) -> pb.ManifestEntry:
+    msg = pb.ManifestEntry(
+        kind=_KIND_TO_PB[entry.kind],
+        name=entry.name,
+        dtype=entry.dtype,
+        shape=entry.shape,
+        requires_grad=entry.requires_grad,
+    )
+    if entry.alias_of is not None:
+        msg.alias_of = entry.alias_of
+    if entry.strides is not None:
+        msg.strides.values.extend(entry.strides)
+    return msg
+
+
+def manifest_to_pb(manifest: Manifest) -> pb.Manifest:
+    return pb.Manifest(
+        format=MANIFEST_FORMAT_VERSION, entries=[entry_to_pb(e) for e in manifest.entries]
+    )
+
+
+def entry_from_pb(msg: pb.ManifestEntry, position: int) -> Entry:
+    kind = _KIND_FROM_PB.get(msg.kind)
+    if kind is None:
+        raise InvalidArgument(f"manifest entry {position} has no kind (parameter or buffer)")
+    if len(msg.name) > MAX_NAME:
+        raise LimitExceeded(
+            f"manifest entry {position} has a name of {len(msg.name)} characters; "
+            f"the limit is {MAX_NAME}"
+        )
+    if len(msg.shape) > MAX_DIMS or len(msg.strides.values) > MAX_DIMS:
+        raise LimitExceeded(
+            f"manifest entry {position} ('{msg.name[:80]}') has more than {MAX_DIMS} dimensions"
+        )
+    return Entry(
+        kind,
+        msg.name,
+        msg.dtype,
+        tuple(msg.shape),
+        msg.requires_grad,
+        msg.alias_of if msg.HasField("alias_of") else None,
+        tuple(msg.strides.values) if msg.HasField("strides") else None,
+    )
+
+
+def manifest_from_pb(msg: pb.Manifest, limits: Limits = DEFAULT_LIMITS) -> Manifest:
+    if msg.format != MANIFEST_FORMAT_VERSION:
+        raise FailedPrecondition(
+            f"manifest format {msg.format} is not the format this coordinator reads "
+            f"({MANIFEST_FORMAT_VERSION}); upgrade the older of agent and coordinator"
+        )
+    if len(msg.entries) > limits.max_manifest_entries:
+        raise LimitExceeded(
+            f"manifest has {len(msg.entries)} entries; the limit is "
+            f"max_manifest_entries={limits.max_manifest_entries}"
+        )
+    try:
+        return Manifest.of(entry_from_pb(e, i) for i, e in enumerate(msg.entries))
+    except ManifestError as exc:
+        raise InvalidArgument(f"invalid manifest: {exc}") from exc
+
+
+# -- cohort states ---------------------------------------------------------------------------
+STATE_TO_PB = {
+    "waiting": pb.COHORT_STATE_WAITING,
+    "formed": pb.COHORT_STATE_FORMED,
+    "refused": pb.COHORT_STATE_REFUSED,
+    "expired": pb.COHORT_STATE_EXPIRED,
+    "abandoned": pb.COHORT_STATE_ABANDONED,
+}
+STATE_NAMES = {v: k for k, v in STATE_TO_PB.items()}
