@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator.contract.manifest import Entry, Manifest
@@ -89,6 +89,9 @@ _CHANGE_FIELDS = (
     ("tying_changed", "tying changed"),
     ("strides_changed", "memory layout (strides) changed"),
 )
+CHANGE_FIELDS = tuple(attr for attr, _ in _CHANGE_FIELDS)
+# Every list a diff holds, in report order: the wire's `counts` keys, the stored record's.
+CATEGORIES = ("missing", "extra", *CHANGE_FIELDS, "order_changed")
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,19 @@ class ManifestDiff:
     tying_changed: tuple[Change, ...] = ()
     strides_changed: tuple[Change, ...] = ()
     order_changed: tuple[OrderChange, ...] = ()
+    # Per category, how many items the full diff had, where the lists above were capped
+    # (a stored verdict keeps LIST_CAP of each); None: the lists are whole.
+    totals: dict[str, int] | None = field(default=None, compare=False)
+
+    def count(self, category: str) -> int:
+        if self.totals is not None:
+            return self.totals[category]
+        return len(getattr(self, category))
+
+    def capped(self, cap: int = LIST_CAP) -> ManifestDiff:
+        """The same diff holding at most `cap` items per list; counts and rendering unchanged."""
+        lists = {c: getattr(self, c)[:cap] for c in CATEGORIES}
+        return replace(self, **lists, totals={c: self.count(c) for c in CATEGORIES})
 
     def __bool__(self) -> bool:
         return self.first_difference is not None
@@ -119,11 +135,14 @@ class ManifestDiff:
             return "manifests are identical"
         lines = [self.first_difference.render() if self.first_difference else ""]
         lines.append(f"reference has {self.reference_size} entries, this one {self.other_size}")
-        lines += _section("missing (in the reference, not here)", self.missing, cap, _entry)
-        lines += _section("extra (here, not in the reference)", self.extra, cap, _entry)
-        for attr, heading in _CHANGE_FIELDS:
-            lines += _section(heading, getattr(self, attr), cap, _change)
-        lines += _section("order changed", self.order_changed, cap, OrderChange.render)
+        sections = [
+            ("missing", "missing (in the reference, not here)", _entry),
+            ("extra", "extra (here, not in the reference)", _entry),
+            *((attr, heading, _change) for attr, heading in _CHANGE_FIELDS),
+            ("order_changed", "order changed", OrderChange.render),
+        ]
+        for attr, heading, show in sections:
+            lines += _section(heading, getattr(self, attr), self.count(attr), cap, show)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,9 +156,40 @@ class ManifestDiff:
             "extra": [e.to_dict() for e in self.extra],
             "order_changed": [o.to_dict() for o in self.order_changed],
         }
-        for attr, _ in _CHANGE_FIELDS:
+        for attr in CHANGE_FIELDS:
             out[attr] = [c.to_dict() for c in getattr(self, attr)]
+        if self.totals is not None:
+            out["totals"] = dict(self.totals)
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ManifestDiff:
+        """The inverse of `to_dict` (a stored verdict's diff)."""
+
+        def entry(d: dict[str, Any] | None) -> Entry | None:
+            return None if d is None else Entry.from_dict(d)
+
+        def change(d: dict[str, Any]) -> Change:
+            return Change(d["name"], Entry.from_dict(d["reference"]), Entry.from_dict(d["other"]))
+
+        first = data["first_difference"]
+        changed: dict[str, Any] = {
+            attr: tuple(change(c) for c in data[attr]) for attr in CHANGE_FIELDS
+        }
+        return cls(
+            reference_size=data["reference_size"],
+            other_size=data["other_size"],
+            first_difference=None
+            if first is None
+            else FirstDifference(
+                first["position"], entry(first["reference"]), entry(first["other"])
+            ),
+            missing=tuple(Entry.from_dict(e) for e in data["missing"]),
+            extra=tuple(Entry.from_dict(e) for e in data["extra"]),
+            order_changed=tuple(OrderChange(**o) for o in data["order_changed"]),
+            totals=data.get("totals"),
+            **changed,
+        )
 
 
 def _entry(entry: Entry) -> str:
@@ -151,13 +201,13 @@ def _change(change: Change) -> str:
     return f"'{change.name}': {ref.describe(with_name=False)} -> {oth.describe(with_name=False)}"
 
 
-def _section(heading: str, items: Sequence[Any], cap: int, show: Any) -> list[str]:
-    if not items:
+def _section(heading: str, items: Sequence[Any], total: int, cap: int, show: Any) -> list[str]:
+    if not total:
         return []
-    lines = [f"{heading}: {len(items)}"]
+    lines = [f"{heading}: {total}"]
     lines += [f"  {show(item)}" for item in items[:cap]]
-    if len(items) > cap:
-        lines.append(f"  and {len(items) - cap} more")
+    if total > cap:
+        lines.append(f"  and {total - cap} more")
     return lines
 
 
@@ -199,7 +249,7 @@ def diff(reference: Manifest, other: Manifest) -> ManifestDiff:
         return ManifestDiff(len(ref), len(oth))
     ref_by_name = {e.name: e for e in ref}
     oth_by_name = {e.name: e for e in oth}
-    changes: dict[str, list[Change]] = {attr: [] for attr, _ in _CHANGE_FIELDS}
+    changes: dict[str, list[Change]] = {attr: [] for attr in CHANGE_FIELDS}
     for a in ref:
         b = oth_by_name.get(a.name)
         if b is None or a == b:
@@ -214,17 +264,13 @@ def diff(reference: Manifest, other: Manifest) -> ManifestDiff:
         ):
             if differs:
                 changes[attr].append(Change(a.name, a, b))
+    changed: dict[str, Any] = {attr: tuple(found) for attr, found in changes.items()}
     return ManifestDiff(
         reference_size=len(ref),
         other_size=len(oth),
         first_difference=first,
         missing=tuple(e for e in ref if e.name not in oth_by_name),
         extra=tuple(e for e in oth if e.name not in ref_by_name),
-        shape_changed=tuple(changes["shape_changed"]),
-        dtype_changed=tuple(changes["dtype_changed"]),
-        kind_changed=tuple(changes["kind_changed"]),
-        requires_grad_changed=tuple(changes["requires_grad_changed"]),
-        tying_changed=tuple(changes["tying_changed"]),
-        strides_changed=tuple(changes["strides_changed"]),
         order_changed=tuple(_order_changes(ref, oth)),
+        **changed,
     )

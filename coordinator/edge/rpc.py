@@ -15,7 +15,14 @@ from coordinator.codec.wire import (
     text,
 )
 from coordinator.contract import ranges
-from coordinator.contract.diff import LIST_CAP, Change, ManifestDiff, OrderChange
+from coordinator.contract.diff import (
+    CATEGORIES,
+    CHANGE_FIELDS,
+    LIST_CAP,
+    Change,
+    ManifestDiff,
+    OrderChange,
+)
 from coordinator.contract.diff import FirstDifference as DomainFirstDifference
 from coordinator.contract.digests import DIGEST_FORMAT_VERSION
 from coordinator.contract.errors import (
@@ -237,29 +244,15 @@ def diff_to_pb(d: ManifestDiff | None) -> pb.ManifestDiff:
         other_size=d.other_size,
         missing=[entry_to_pb(e) for e in d.missing[:LIST_CAP]],
         extra=[entry_to_pb(e) for e in d.extra[:LIST_CAP]],
-        shape_changed=_changes(d.shape_changed),
-        dtype_changed=_changes(d.dtype_changed),
-        kind_changed=_changes(d.kind_changed),
-        requires_grad_changed=_changes(d.requires_grad_changed),
-        tying_changed=_changes(d.tying_changed),
-        strides_changed=_changes(d.strides_changed),
         order_changed=_orders(d.order_changed),
     )
     first = _first(d.first_difference)
     if first is not None:
         msg.first_difference.CopyFrom(first)
-    for key in (
-        "missing",
-        "extra",
-        "shape_changed",
-        "dtype_changed",
-        "kind_changed",
-        "requires_grad_changed",
-        "tying_changed",
-        "strides_changed",
-        "order_changed",
-    ):
-        msg.counts[key] = len(getattr(d, key))
+    for attr in CHANGE_FIELDS:
+        getattr(msg, attr).extend(_changes(getattr(d, attr)))
+    for key in CATEGORIES:
+        msg.counts[key] = d.count(key)
     return msg
 
 

@@ -29,7 +29,7 @@ from coordinator.contract.limits import Limits
 from coordinator.decision.report import Verdict
 from coordinator.edge import rpc
 from coordinator.edge.auth import Auth
-from coordinator.service.core import Coordinator, DigestAsk, ManifestAsk, Progress, StoredVerdict
+from coordinator.service.core import Coordinator, DigestAsk, ManifestAsk, Progress
 from coordinator.state.memory import JoinIntent
 
 log = structlog.get_logger("cohortgate")
@@ -100,10 +100,8 @@ def _verdict_event(verdict: Verdict) -> bytes:
 
 
 def _event(
-    event: Progress | ManifestAsk | DigestAsk | Verdict | StoredVerdict,
+    event: Progress | ManifestAsk | DigestAsk | Verdict,
 ) -> pb.JoinEvent | bytes:
-    if isinstance(event, StoredVerdict):
-        return pb.JoinEvent(verdict=pb.Verdict.FromString(event.data))
     if isinstance(event, Verdict):
         return _verdict_event(event)
     if isinstance(event, DigestAsk):

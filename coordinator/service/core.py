@@ -36,13 +36,6 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class StoredVerdict:
-    """A verdict from history, as the bytes every rank of its cohort received."""
-
-    data: bytes
-
-
-@dataclass(frozen=True)
 class DigestAsk:
     job_id: str
     round: int
@@ -57,7 +50,7 @@ class ManifestAsk:
     rank: int
 
 
-JoinEvent = Progress | ManifestAsk | DigestAsk | Verdict | StoredVerdict
+JoinEvent = Progress | ManifestAsk | DigestAsk | Verdict
 StreamKey = tuple[str, int, int, str]  # job, round, rank, incarnation
 # Up to this world size every progress event is exact; above, it may be 0.25 s stale.
 PROGRESS_EXACT_UP_TO = 1024
@@ -124,7 +117,7 @@ class Coordinator:
             stored = history.verdict_of(first.job_id, first.member.incarnation)
             if stored is not None:
                 log.info("verdict replayed from history", job=first.job_id)
-                yield StoredVerdict(stored)
+                yield stored
                 return
         poke = asyncio.Event()
         held: list[tuple[StreamKey, Member]] = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from coordinator.edge.rpc import verdict_to_pb
 from coordinator.service.metrics import Metrics
 from coordinator.state.history import History, VerdictRow
 from coordinator.state.memory import Cohort
@@ -64,7 +63,7 @@ class Observer:
                     world_size=verdict.world_size,
                     decided_at=verdict.decided_at,
                     members={m.rank: m.incarnation for m in cohort.state.members.values()},
-                    verdict=verdict_to_pb(verdict).SerializeToString(),
+                    verdict=verdict,
                 )
             )
 

@@ -7,6 +7,13 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from coordinator.contract import ranges
+from coordinator.contract.diff import ManifestDiff
+from coordinator.decision.checks import Finding
+from coordinator.decision.formation import Cause, Outcome, SignatureClass
+from coordinator.decision.report import Verdict
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS verdicts (
@@ -20,11 +27,18 @@ CREATE TABLE IF NOT EXISTS verdicts (
     world_size   INTEGER NOT NULL,
     decided_at   REAL NOT NULL,
     members      TEXT NOT NULL, -- JSON {rank: incarnation}, to replay a verdict after restart
-    verdict      BLOB           -- the cohortgate.v1.Verdict every rank received
+    verdict      BLOB,          -- before 0.2: the wire Verdict (no longer written or read)
+    record       TEXT           -- JSON of the domain verdict every rank received
 );
 CREATE INDEX IF NOT EXISTS verdicts_job_round ON verdicts (job_id, round);
 CREATE INDEX IF NOT EXISTS verdicts_decided_at ON verdicts (decided_at);
 """
+
+
+# What a listing reads: everything but the verdict itself (decoded only to replay it).
+_COLUMNS = (
+    "cohort_id, job_id, round, outcome, cause, reason, report, world_size, decided_at, members"
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +53,85 @@ class VerdictRow:
     world_size: int
     decided_at: float
     members: dict[int, str]
-    verdict: bytes = b""
+    verdict: Verdict | None = None  # written; listings leave it out
+
+
+def verdict_to_json(v: Verdict) -> str:
+    """The domain verdict as JSON; diffs keep LIST_CAP items per list and their counts, so
+    the stored verdict renders and encodes exactly as the one the ranks received."""
+    return json.dumps(
+        {
+            "outcome": v.outcome.value,
+            "job_id": v.job_id,
+            "round": v.round,
+            "cohort_id": v.cohort_id,
+            "world_size": v.world_size,
+            "reason": v.reason,
+            "decided_at": v.decided_at,
+            "init_method": v.init_method,
+            "cause": v.cause.value if v.cause else None,
+            "classes": [
+                {
+                    "signature": c.signature.hex(),
+                    "ranks": ranges.compress(c.ranks),
+                    "hosts": list(c.hosts),
+                    "manifest_entries": c.manifest_entries,
+                    "reference": c.reference,
+                    "group": c.group,
+                }
+                for c in v.classes
+            ],
+            "diffs": [
+                [group, sig.hex(), None if d is None else d.capped().to_dict()]
+                for (group, sig), d in v.diffs.items()
+            ],
+            "findings": [
+                [f.check, str(f.level), f.text, ranges.compress(f.ranks)] for f in v.findings
+            ],
+            "missing_ranks": ranges.compress(v.missing_ranks),
+            "present_ranks": ranges.compress(v.present_ranks),
+            "report": v.report,
+            "headline": v.headline,
+        }
+    )
+
+
+def verdict_from_json(text: str) -> Verdict:
+    d: dict[str, Any] = json.loads(text)
+    return Verdict(
+        outcome=Outcome(d["outcome"]),
+        job_id=d["job_id"],
+        round=d["round"],
+        cohort_id=d["cohort_id"],
+        world_size=d["world_size"],
+        reason=d["reason"],
+        decided_at=d["decided_at"],
+        init_method=d["init_method"],
+        cause=None if d["cause"] is None else Cause(d["cause"]),
+        classes=tuple(
+            SignatureClass(
+                bytes.fromhex(c["signature"]),
+                tuple(ranges.expand(c["ranks"])),
+                tuple(c["hosts"]),
+                c["manifest_entries"],
+                c["reference"],
+                c["group"],
+            )
+            for c in d["classes"]
+        ),
+        diffs={
+            (group, bytes.fromhex(sig)): None if diff is None else ManifestDiff.from_dict(diff)
+            for group, sig, diff in d["diffs"]
+        },
+        findings=tuple(
+            Finding(check, level, text, tuple(ranges.expand(rs)))
+            for check, level, text, rs in d["findings"]
+        ),
+        missing_ranks=tuple(ranges.expand(d["missing_ranks"])),
+        present_ranks=tuple(ranges.expand(d["present_ranks"])),
+        report=d["report"],
+        headline=d["headline"],
+    )
 
 
 class History:
@@ -68,15 +160,18 @@ class History:
     def _migrate(self) -> None:
         """Bring a file written by an older coordinator up to this schema, in place."""
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(verdicts)")}
-        if "verdict" not in columns:
-            self.db.execute("ALTER TABLE verdicts ADD COLUMN verdict BLOB")
+        for column, kind in (("verdict", "BLOB"), ("record", "TEXT")):
+            if column not in columns:
+                self.db.execute(f"ALTER TABLE verdicts ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self.db.close()
 
     def record(self, row: VerdictRow) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO verdicts (cohort_id, job_id, round, outcome, cause, reason, "
+            "report, world_size, decided_at, members, record) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.cohort_id,
                 row.job_id,
@@ -88,7 +183,7 @@ class History:
                 row.world_size,
                 row.decided_at,
                 json.dumps({str(k): v for k, v in row.members.items()}),
-                row.verdict,
+                None if row.verdict is None else verdict_to_json(row.verdict),
             ),
         )
 
@@ -101,14 +196,14 @@ class History:
         """The verdict of (job, round); round 0 means the job's latest."""
         if round_:
             cur = self.db.execute(
-                "SELECT * FROM verdicts WHERE job_id = ? AND round = ? "
+                f"SELECT {_COLUMNS} FROM verdicts WHERE job_id = ? AND round = ? "
                 "ORDER BY decided_at DESC LIMIT 1",
                 (job_id, round_),
             )
         else:
             cur = self.db.execute(
-                "SELECT * FROM verdicts WHERE job_id = ? ORDER BY round DESC, decided_at DESC "
-                "LIMIT 1",
+                f"SELECT {_COLUMNS} FROM verdicts WHERE job_id = ? "
+                "ORDER BY round DESC, decided_at DESC LIMIT 1",
                 (job_id,),
             )
         found = cur.fetchone()
@@ -117,25 +212,26 @@ class History:
     def recent(self, limit: int = 20, job_id: str = "") -> list[VerdictRow]:
         if job_id:
             cur = self.db.execute(
-                "SELECT * FROM verdicts WHERE job_id = ? ORDER BY decided_at DESC LIMIT ?",
+                f"SELECT {_COLUMNS} FROM verdicts WHERE job_id = ? "
+                "ORDER BY decided_at DESC LIMIT ?",
                 (job_id, limit),
             )
         else:
             cur = self.db.execute(
-                "SELECT * FROM verdicts ORDER BY decided_at DESC LIMIT ?", (limit,)
+                f"SELECT {_COLUMNS} FROM verdicts ORDER BY decided_at DESC LIMIT ?", (limit,)
             )
         return [_row(r) for r in cur.fetchall()]
 
-    def verdict_of(self, job_id: str, incarnation: str, rounds: int = 4) -> bytes | None:
+    def verdict_of(self, job_id: str, incarnation: str, rounds: int = 4) -> Verdict | None:
         """The stored verdict of a recent round of `job_id` that `incarnation` took part in:
         a rank re-joining after a coordinator restart gets the verdict it would have had."""
         cur = self.db.execute(
-            "SELECT members, verdict FROM verdicts WHERE job_id = ? ORDER BY round DESC LIMIT ?",
+            "SELECT members, record FROM verdicts WHERE job_id = ? ORDER BY round DESC LIMIT ?",
             (job_id, rounds),
         )
-        for members, verdict in cur.fetchall():
-            if verdict and incarnation in json.loads(members).values():
-                return bytes(verdict)
+        for members, record in cur.fetchall():
+            if record and incarnation in json.loads(members).values():
+                return verdict_from_json(record)
         return None
 
     def last_round(self, job_id: str) -> int:
@@ -158,5 +254,4 @@ def _row(r: tuple[object, ...]) -> VerdictRow:
         world_size=int(str(r[7])),
         decided_at=float(str(r[8])),
         members={int(k): str(v) for k, v in members.items()},
-        verdict=r[10] if isinstance(r[10], bytes) else b"",
     )

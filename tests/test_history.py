@@ -1,0 +1,68 @@
+"""The verdict history stores domain verdicts and gives back the very verdict ranks received."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.decision.formation import CohortState, FormationOptions, Member, decide
+from coordinator.decision.report import build_verdict
+from coordinator.edge.rpc import verdict_to_pb
+from coordinator.state.history import History, VerdictRow
+
+
+def _manifest(names: range, dtype: str) -> Manifest:
+    return Manifest.of(Entry(Kind.PARAMETER, f"w{i}", dtype, (4, i + 1), True) for i in names)
+
+
+def _refused_with_a_long_diff() -> tuple[CohortState, Manifest, Manifest]:
+    # Lists longer than the wire's LIST_CAP (20): the stored verdict keeps 20 and the counts.
+    reference, other = _manifest(range(60), "float32"), _manifest(range(30, 90), "bfloat16")
+    state = CohortState("long-diff", 3, 3, first_join_at=100.0)
+    for rank in range(3):
+        manifest = other if rank == 2 else reference
+        state.add(
+            Member(
+                rank=rank,
+                host=f"node{rank}",
+                pid=rank,
+                incarnation=f"i{rank}",
+                signature=manifest.signature(),
+                manifest_entries=len(manifest),
+            ),
+            100.0,
+        )
+        state.manifests[manifest.signature()] = manifest
+    return state, reference, other
+
+
+def test_a_refused_verdict_with_a_long_diff_replays_exactly(tmp_path: Path) -> None:
+    state, _, _ = _refused_with_a_long_diff()
+    options = FormationOptions()
+    now = time.time()  # a verdict from 1970 would be pruned as past the retention
+    verdict = build_verdict(state, decide(state, now, options), now, 600.0)
+    assert verdict.cause is not None and verdict.diffs, "a refusal with a diff, as set up"
+    history = History(tmp_path / "h.sqlite")
+    history.record(
+        VerdictRow(
+            verdict.cohort_id,
+            "long-diff",
+            3,
+            "refused",
+            verdict.cause.value,
+            verdict.reason,
+            verdict.report,
+            3,
+            verdict.decided_at,
+            {r: f"i{r}" for r in range(3)},
+            verdict,
+        )
+    )
+    history.close()
+    replayed = History(tmp_path / "h.sqlite").verdict_of("long-diff", "i2")
+    assert replayed is not None
+    assert verdict_to_pb(replayed) == verdict_to_pb(verdict)
+    (d,) = replayed.diffs.values()
+    assert d is not None and len(d.missing) == 20 and d.count("missing") == 30
+    assert History(tmp_path / "h.sqlite").verdict_of("long-diff", "another") is None
