@@ -6,15 +6,15 @@ import pytest
 
 from coordinator.contract import ranges
 from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.formation import (
+from coordinator.decision.cohort import (
     Cause,
     CohortState,
-    FormationOptions,
     Member,
     Outcome,
-    decide,
+    UploadKind,
     signature_classes,
 )
+from coordinator.decision.formation import FormationOptions, decide
 
 SIG_A = b"a" * 32
 SIG_B = b"b" * 32
@@ -71,12 +71,23 @@ def test_formed_unverified_when_the_manifest_never_comes() -> None:
 
 def test_an_invalid_manifest_refuses_once_every_rank_is_there() -> None:
     state = cohort(2, {0: SIG_A})
-    state.invalid_manifests[SIG_A] = "rank 0 lied"
+    state.invalid_uploads[(UploadKind.MANIFEST, SIG_A)] = "rank 0 lied"
     assert decide(state, 100.0, OPTS).outcome is Outcome.WAITING
     state.add(member(1), 100.0)
     d = decide(state, 100.0, OPTS)
     assert d.outcome is Outcome.REFUSED
     assert d.cause is Cause.MANIFEST_INVALID
+
+
+def test_an_invalid_digest_upload_is_named_as_digests_not_as_a_manifest() -> None:
+    state = cohort(2, {0: SIG_A, 1: SIG_A})
+    state.invalid_uploads[(UploadKind.DIGESTS, b"d" * 32)] = "rank 1's digests lied"
+    d = decide(state, 100.0, OPTS)
+    assert d.cause is Cause.MANIFEST_INVALID
+    assert d.reason == (
+        "[1 uploaded per-tensor digest list(s) did not combine to the weights digest their "
+        "rank joined with]"
+    )
 
 
 def test_deadline_refuses_naming_missing_and_present_ranks() -> None:

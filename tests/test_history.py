@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 
 from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.formation import CohortState, FormationOptions, Member, decide
+from coordinator.decision.cohort import CohortState, Member
+from coordinator.decision.formation import FormationOptions, decide
 from coordinator.decision.report import build_verdict
 from coordinator.edge.rpc import verdict_to_pb
 from coordinator.state.history import History, VerdictRow

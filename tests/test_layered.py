@@ -15,14 +15,8 @@ from coordinator.contract.layout import (
 )
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.decision.checks import Policies
-from coordinator.decision.formation import (
-    Cause,
-    CohortState,
-    FormationOptions,
-    Member,
-    Outcome,
-    decide,
-)
+from coordinator.decision.cohort import Cause, CohortState, Member, Outcome
+from coordinator.decision.formation import FormationOptions, decide
 
 
 def manifest(rows: int) -> Manifest:
@@ -228,3 +222,15 @@ def test_weights_are_compared_within_each_replica_group_only() -> None:
         "ranks [1]: 1 of 1 tensors differ, first 'fc1.weight'"
     )
     assert peer == 1
+
+
+def test_every_registered_check_has_a_policy_and_a_help_line() -> None:
+    from coordinator.decision.checks import CHECKS, Level, policy_help
+    from coordinator.edge.config import ServeConfig
+
+    described = ServeConfig.model_fields["policy"].description or ""
+    for check in CHECKS:
+        assert f"{check.name} ({check.default})" in policy_help()
+        assert f"{check.name} ({check.default})" in described
+        for level in Level:
+            assert Policies.parse([f"{check.name}={level}"]).for_job("j")[check.name] is level

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from coordinator.cli import ops as ops_cli
 from coordinator.cli.run import cmd_run
 from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
+from coordinator.decision.checks import policy_help
 from coordinator.edge.config import ServeConfig, from_env_and_flags
 
 
@@ -62,10 +63,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--policy",
         action="append",
-        help="CHECK=LEVEL, repeatable: model, layout, coverage, runtime.device_type, "
-        "runtime.nccl, runtime.torch, runtime.cuda, runtime.device_name, "
-        "runtime.device_capability, weights (off unless set); strict (refuse), warn (form "
-        "and record), off",
+        help="repeatable; " + policy_help(),
     )
     p.add_argument(
         "--job-policy", action="append", help="JOB:CHECK=LEVEL, repeatable: one job's override"

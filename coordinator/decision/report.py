@@ -7,15 +7,9 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.contract import ranges
 from coordinator.contract.diff import ManifestDiff, diff
-from coordinator.decision.checks import Finding
-from coordinator.decision.formation import (
-    Cause,
-    CohortState,
-    Decision,
-    LaunchGroup,
-    Outcome,
-    SignatureClass,
-)
+from coordinator.decision.checks import Finding, Level, warnings
+from coordinator.decision.cohort import Cause, CohortState, LaunchGroup, Outcome, SignatureClass
+from coordinator.decision.formation import Decision
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
 HOST_CAP = 8
@@ -44,8 +38,8 @@ class Verdict:
     headline: str = ""
 
     @property
-    def formed(self) -> bool:
-        return self.outcome is Outcome.FORMED
+    def warnings(self) -> tuple[str, ...]:
+        return tuple(warnings(self.findings))
 
 
 def _hosts(hosts: tuple[str, ...]) -> str:
@@ -138,7 +132,7 @@ def render_mismatch(
     else:
         head = f"all {world_size} ranks joined, but their layered identities disagree."
     lines = [f"cohortgate refused to form job '{job_id}' round {round_}: {head}"]
-    for f in sorted(findings, key=lambda f: f.level != "strict"):
+    for f in sorted(findings, key=lambda f: f.level is not Level.STRICT):
         lines.append(f"{f.level} {f.check}: {f.text}")
     lines += _class_lines(classes, diffs)
     if cause is Cause.WEIGHTS:
@@ -207,7 +201,7 @@ def headline(cohort: CohortState, decision: Decision) -> str:
         ]
         return f"ranks of {len(parts)} launches share job id '{cohort.job_id}': " + ", ".join(parts)
     if cause is Cause.MANIFEST_INVALID:
-        return next(iter(cohort.invalid_manifests.values()), "an uploaded manifest was invalid")
+        return next(iter(cohort.invalid_uploads.values()), "an upload was invalid")
     culprits = [c for c in decision.classes if not c.reference]
     if culprits:
         refs = {c.group: c for c in decision.classes if c.reference}
@@ -220,7 +214,7 @@ def headline(cohort: CohortState, decision: Decision) -> str:
             f"rank{'s' if len(first.ranks) > 1 else ''} {ranges.compress_capped(first.ranks)} "
             f"on {_hosts(first.hosts)} built a different model than{against}{group}{more}"
         )
-    strict = [f for f in decision.findings if f.level == "strict"]
+    strict = [f for f in decision.findings if f.level is Level.STRICT]
     if strict:
         f = strict[0]
         ranks = f"ranks {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
@@ -272,10 +266,11 @@ def build_verdict(
             report=report,
         )
     if decision.cause is Cause.MANIFEST_INVALID:
-        reasons = "\n".join(f"  {why}" for why in cohort.invalid_manifests.values())
+        reasons = "\n".join(f"  {why}" for why in cohort.invalid_uploads.values())
+        kinds = sorted({kind.value for kind, _ in cohort.invalid_uploads})
         report = (
             f"cohortgate refused to form job '{cohort.job_id}' round {cohort.round}: a rank's "
-            f"uploaded manifest did not match its signature.\n{reasons}\n"
+            f"uploaded {' and '.join(kinds)} did not match what it joined with.\n{reasons}\n"
             "What to do: run the same cohortgate version on every rank and the coordinator; "
             "a rank that changes its model after signing must sign again."
         )
@@ -298,6 +293,6 @@ def build_verdict(
         diffs,
         decision.findings,
         decision.cause,
-        str(decision.detail.get("weights", "values")),
+        decision.weights or "values",
     )
     return replace(base, diffs=diffs, report=report)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
 from coordinator.contract.limits import Limits
-from coordinator.decision.checks import Policies
+from coordinator.decision.checks import Policies, policy_help
 from coordinator.decision.formation import FormationOptions
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
@@ -71,8 +71,7 @@ class ServeConfig(BaseModel):
     )
     policy: str = Field(
         "",
-        description="check levels, 'CHECK=LEVEL,...' (checks: model, layout, coverage, "
-        "runtime.*; levels: strict, warn, off)",
+        description="check levels, comma-separated " + policy_help(),
     )
     job_policy: str = Field("", description="per-job check levels, 'JOB:CHECK=LEVEL,...'")
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)

@@ -32,7 +32,8 @@ from coordinator.contract.errors import (
     LimitExceeded,
 )
 from coordinator.contract.limits import Limits
-from coordinator.decision.formation import Cause, Member, Outcome
+from coordinator.contract.runtime import RUNTIME_FIELDS
+from coordinator.decision.cohort import Cause, Member, Outcome
 from coordinator.decision.report import Verdict
 from coordinator.service.status import CohortSummary
 from coordinator.state.history import VerdictRow
@@ -82,14 +83,7 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
             "rank 0 offered no init_method: rank 0 must offer the rendezvous endpoint "
             "(tcp://HOST:PORT) that the cohort will use"
         )
-    runtime = {
-        "torch_version": text(req.runtime.torch_version, "runtime.torch_version"),
-        "cuda_version": text(req.runtime.cuda_version, "runtime.cuda_version"),
-        "nccl_version": text(req.runtime.nccl_version, "runtime.nccl_version"),
-        "device_type": text(req.runtime.device_type, "runtime.device_type"),
-        "device_name": text(req.runtime.device_name, "runtime.device_name"),
-        "device_capability": text(req.runtime.device_capability, "runtime.device_capability"),
-    }
+    runtime = {f: text(getattr(req.runtime, f), f"runtime.{f}") for f in RUNTIME_FIELDS}
     layout = layout_from_pb(req.layout, limits) if req.HasField("layout") else None
     member = Member(
         rank=req.rank,
@@ -268,7 +262,7 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
         init_method=v.init_method,
         reason=v.reason,
         decided_at_unix=v.decided_at,
-        warnings=[f"{f.check}: {f.text}" for f in v.findings if f.level == "warn"],
+        warnings=v.warnings,
     )
     if v.outcome is Outcome.REFUSED and v.cause is not None:
         msg.refusal.cause = _CAUSE_TO_PB[v.cause]

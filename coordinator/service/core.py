@@ -14,7 +14,8 @@ from coordinator.contract import ranges
 from coordinator.contract.errors import FailedPrecondition, Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import Manifest
-from coordinator.decision.formation import FormationOptions, Member
+from coordinator.decision.cohort import Member
+from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import Verdict
 from coordinator.service.observers import Observer
 from coordinator.service.status import CohortSummary, summarize
@@ -376,7 +377,7 @@ class Coordinator:
             reason=verdict.reason,
             cohort_id=verdict.cohort_id,
             cause=verdict.cause.value if verdict.cause else None,
-            warnings=[f"{f.check}: {f.text}" for f in verdict.findings if f.level == "warn"],
+            warnings=verdict.warnings,
         )
         self._settle(cohort)
         for m in cohort.state.members.values():

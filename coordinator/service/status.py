@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from coordinator.contract import ranges
-from coordinator.decision.formation import Cause, FormationOptions
+from coordinator.decision.cohort import Cause
+from coordinator.decision.formation import FormationOptions
 from coordinator.state.memory import Cohort
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from coordinator.contract import ranges
 from coordinator.contract.diff import ManifestDiff
 from coordinator.decision.checks import Finding
-from coordinator.decision.formation import Cause, Outcome, SignatureClass
+from coordinator.decision.cohort import Cause, Outcome, SignatureClass
 from coordinator.decision.report import Verdict
 
 _SCHEMA = """

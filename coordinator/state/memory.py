@@ -15,14 +15,8 @@ from coordinator.contract.errors import (
 )
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import Manifest
-from coordinator.decision.formation import (
-    CohortState,
-    Decision,
-    FormationOptions,
-    Member,
-    Outcome,
-    decide,
-)
+from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
+from coordinator.decision.formation import Decision, FormationOptions, decide
 from coordinator.decision.report import Verdict, build_verdict
 
 # Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
@@ -311,7 +305,7 @@ class Registry:
                 "with: agent and coordinator disagree on the encoding, or the model changed "
                 "between signing and uploading"
             )
-            cohort.state.invalid_manifests.setdefault(claimed, message)
+            cohort.state.invalid_uploads.setdefault((UploadKind.MANIFEST, claimed), message)
             raise ManifestMismatch(message, cohort)
         if len(manifest) != member.manifest_entries:
             raise InvalidArgument(
@@ -379,7 +373,9 @@ class Registry:
                 "combine to the weights digest it joined with: the weights changed between "
                 "digesting and uploading, or agent and coordinator versions differ"
             )
-            cohort.state.invalid_manifests.setdefault(member.signature, message)
+            cohort.state.invalid_uploads.setdefault(
+                (UploadKind.DIGESTS, member.weights_digest), message
+            )
             raise ManifestMismatch(message, cohort)
         cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
         return cohort

@@ -1,0 +1,130 @@
+"""The `weights` check: replicas start from the same weights (agent.join(verify_values=True)).
+
+It runs last, once every other check passes: when replicas differ it asks one rank per
+weights digest for its per-tensor digests, to name the tensors that differ.
+"""
+
+from __future__ import annotations
+
+from coordinator.contract import ranges
+from coordinator.contract.digests import differing
+from coordinator.decision.checks.base import Check, Context, Finding, Level, Result
+from coordinator.decision.cohort import Cause, CohortState, weight_classes
+
+NAMES_SHOWN = 10
+# A weights refusal's kind -> the words its reason uses
+_WHAT = {
+    "unsent": "weight digests missing",
+    "sharded": "sharded weights compared without a layout",
+    "buffers": "buffers differ (model config)",
+    "values": "weights differ",
+}
+
+
+def _by_size(classes: dict[bytes, list[int]]) -> list[tuple[bytes, list[int]]]:
+    """Reference first (the largest; ties to the lowest rank), then by lowest rank."""
+    ordered = sorted(classes.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    return [ordered[0], *sorted(ordered[1:], key=lambda kv: kv[1][0])]
+
+
+class WeightsCheck(Check):
+    name = "weights"
+    # Off unless configured: the digest costs each rank a pass over its weights.
+    default = Level.OFF
+    cause = Cause.WEIGHTS
+    help = "replicas start from the same weights (verify_values=True on every rank)"
+    refusal = "weights differ"
+    needs_clean = True
+
+    def run(self, ctx: Context, level: Level) -> Result:
+        cohort = ctx.cohort
+        found: list[Finding] = []
+        unsent = [r for r, m in cohort.members.items() if not m.weights_digest]
+        if unsent:
+            found.append(
+                Finding(
+                    self.name,
+                    level,
+                    f"{len(unsent)} rank(s) {ranges.compress_capped(unsent)} sent no weight "
+                    "digest; call agent.join(model, verify_values=True) on every rank",
+                    tuple(unsent),
+                )
+            )
+        awaiting: list[bytes] = []
+        pairs = 0  # classes holding other weights than their group's reference
+        # Every pair's differing tensors are known and all are buffers: computed from the
+        # model config (rotary frequencies), not initialised from a seed.
+        buffers_only = True
+        for label, classes in weight_classes(cohort).items():
+            if len(classes) < 2:
+                continue
+            ordered = _by_size(classes)
+            ref_digest, ref_ranks = ordered[0]
+            for digest, ranks in ordered[1:]:
+                pairs += 1
+                finding, names = self._pair(
+                    cohort, level, label, ref_ranks, ref_digest, digest, ranks
+                )
+                found.append(finding)
+                if names is None:
+                    buffers_only = False
+                    awaiting += [d for d in (ref_digest, digest) if d not in cohort.tensor_digests]
+                else:
+                    buffers_only = buffers_only and names[0] and names[1]
+        wanted = tuple(dict.fromkeys(awaiting))
+        complete_at = cohort.complete_at if cohort.complete_at is not None else ctx.now
+        if wanted and ctx.now < complete_at + ctx.manifest_timeout_s:
+            n = cohort.world_size
+            return Result(
+                waiting=f"[{n}/{n} ranks joined, weights differ, waiting for {len(wanted)} "
+                "digest list(s)]",
+                awaiting_digests=wanted,
+            )
+        if not found:
+            return Result()
+        if not pairs:
+            kind = "unsent"
+        elif any(m.sharded_without_layout and m.layout is None for m in cohort.members.values()):
+            kind = "sharded"
+        elif buffers_only:
+            kind = "buffers"
+        else:
+            kind = "values"
+        n = cohort.world_size
+        return Result(
+            tuple(found),
+            weights=kind,
+            reason=f"[{n}/{n} ranks joined, models match, {_WHAT[kind]}]",
+        )
+
+    def _pair(
+        self,
+        cohort: CohortState,
+        level: Level,
+        label: str,
+        ref_ranks: list[int],
+        ref_digest: bytes,
+        digest: bytes,
+        ranks: list[int],
+    ) -> tuple[Finding, tuple[bool, bool] | None]:
+        """The finding for one class against its group's reference, and (some tensors
+        differ, all of them buffers), or None while the per-tensor digests are unknown."""
+        where = f"replica group {label}: " if label else ""
+        hosts = sorted({cohort.members[r].host for r in ranks})
+        who = (
+            f"{where}{len(ranks)} rank(s) [{ranges.compress_capped(ranks)}] on "
+            f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''} hold other weights "
+            f"than ranks [{ranges.compress_capped(ref_ranks)}]"
+        )
+        reference = cohort.tensor_digests.get(ref_digest)
+        other = cohort.tensor_digests.get(digest)
+        manifest = cohort.manifests.get(cohort.members[ref_ranks[0]].signature)
+        if reference is None or other is None or manifest is None:
+            return Finding(self.name, level, who, tuple(ranks)), None
+        names = [e.name for e in manifest.entries]
+        buffers = {e.name for e in manifest.entries if e.kind.value == "buffer"}
+        differ = differing(names, reference, other)
+        shown = ", ".join(f"'{x}'" for x in differ[:NAMES_SHOWN])
+        more = f" and {len(differ) - NAMES_SHOWN} more" if len(differ) > NAMES_SHOWN else ""
+        text = f"{who}: {len(differ)} of {len(names)} tensors differ, first {shown}{more}"
+        return Finding(self.name, level, text, tuple(ranks)), (bool(differ), set(differ) <= buffers)
