@@ -3,6 +3,8 @@ and history records out. The agent-safe part (manifests, layouts) is `codec.wire
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.codec.wire import (
     DEFAULT_LIMITS,
@@ -33,9 +35,11 @@ from coordinator.contract.errors import (
 )
 from coordinator.contract.limits import Limits
 from coordinator.contract.runtime import RUNTIME_FIELDS
-from coordinator.decision.cohort import Cause, Member, Outcome
+from coordinator.decision.cohort import Cause, Member, Outcome, UploadKind
 from coordinator.decision.report import Verdict
+from coordinator.service.core import JoinEvent, UploadAsk
 from coordinator.service.status import CohortSummary
+from coordinator.state.asks import UploadRef
 from coordinator.state.history import VerdictRow
 from coordinator.state.memory import Cohort, JoinIntent
 
@@ -286,3 +290,57 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
                 check=f.check, level=f.level, text=f.text, ranks=ranges.compress_capped(f.ranks)
             )
     return msg
+
+
+# Every rank of a cohort receives the same verdict: convert and serialise it once, not once
+# per rank (a refused 16k-rank cohort's report and diffs would otherwise be rebuilt and
+# re-encoded 16k times). The bytes go out as they are (see _serializer).
+_VERDICT_EVENTS: OrderedDict[str, bytes] = OrderedDict()
+_VERDICT_EVENTS_KEPT = 256
+
+
+def _verdict_event(verdict: Verdict) -> bytes:
+    cached = _VERDICT_EVENTS.get(verdict.cohort_id)
+    if cached is None:
+        cached = pb.JoinEvent(verdict=verdict_to_pb(verdict)).SerializeToString()
+        _VERDICT_EVENTS[verdict.cohort_id] = cached
+        while len(_VERDICT_EVENTS) > _VERDICT_EVENTS_KEPT:
+            _VERDICT_EVENTS.popitem(last=False)
+    return cached
+
+
+def event_to_pb(event: JoinEvent) -> pb.JoinEvent | bytes:
+    if isinstance(event, Verdict):
+        return _verdict_event(event)
+    if isinstance(event, UploadAsk):
+        ref = event.ref
+        if event.kind is UploadKind.DIGESTS:
+            return pb.JoinEvent(
+                digest_request=pb.DigestRequest(job_id=ref.job_id, round=ref.round, rank=ref.rank)
+            )
+        return pb.JoinEvent(
+            manifest_request=pb.ManifestRequest(
+                signature=event.key, job_id=ref.job_id, round=ref.round, rank=ref.rank
+            )
+        )
+    return pb.JoinEvent(
+        progress=pb.Progress(
+            job_id=event.job_id,
+            round=event.round,
+            joined=event.joined,
+            expected=event.expected,
+            missing_ranks=event.missing_ranks,
+            message=event.message,
+            deadline_in_seconds=event.deadline_in_s,
+        )
+    )
+
+
+def upload_ref(req: pb.UploadManifestRequest | pb.UploadDigestsRequest) -> UploadRef:
+    """Who an upload says it comes from (checked against the cohort's members)."""
+    return UploadRef(
+        text(req.job_id, "job_id", MAX_JOB_ID, required=True),
+        req.round,
+        req.rank,
+        text(req.incarnation, "incarnation", 128, required=True),
+    )

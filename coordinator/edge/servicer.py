@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,10 +26,9 @@ from coordinator.contract.errors import (
     Unavailable,
 )
 from coordinator.contract.limits import Limits
-from coordinator.decision.report import Verdict
 from coordinator.edge import rpc
 from coordinator.edge.auth import Auth
-from coordinator.service.core import Coordinator, DigestAsk, ManifestAsk, Progress
+from coordinator.service.core import Coordinator
 from coordinator.state.memory import JoinIntent
 
 log = structlog.get_logger("cohortgate")
@@ -82,51 +81,6 @@ async def _internal(
     )
 
 
-# Every rank of a cohort receives the same verdict: convert and serialise it once, not once
-# per rank (a refused 16k-rank cohort's report and diffs would otherwise be rebuilt and
-# re-encoded 16k times). The bytes go out as they are (see _serializer).
-_VERDICT_EVENTS: OrderedDict[str, bytes] = OrderedDict()
-_VERDICT_EVENTS_KEPT = 256
-
-
-def _verdict_event(verdict: Verdict) -> bytes:
-    cached = _VERDICT_EVENTS.get(verdict.cohort_id)
-    if cached is None:
-        cached = pb.JoinEvent(verdict=rpc.verdict_to_pb(verdict)).SerializeToString()
-        _VERDICT_EVENTS[verdict.cohort_id] = cached
-        while len(_VERDICT_EVENTS) > _VERDICT_EVENTS_KEPT:
-            _VERDICT_EVENTS.popitem(last=False)
-    return cached
-
-
-def _event(
-    event: Progress | ManifestAsk | DigestAsk | Verdict,
-) -> pb.JoinEvent | bytes:
-    if isinstance(event, Verdict):
-        return _verdict_event(event)
-    if isinstance(event, DigestAsk):
-        return pb.JoinEvent(
-            digest_request=pb.DigestRequest(job_id=event.job_id, round=event.round, rank=event.rank)
-        )
-    if isinstance(event, ManifestAsk):
-        return pb.JoinEvent(
-            manifest_request=pb.ManifestRequest(
-                signature=event.signature, job_id=event.job_id, round=event.round, rank=event.rank
-            )
-        )
-    return pb.JoinEvent(
-        progress=pb.Progress(
-            job_id=event.job_id,
-            round=event.round,
-            joined=event.joined,
-            expected=event.expected,
-            missing_ranks=event.missing_ranks,
-            message=event.message,
-            deadline_in_seconds=event.deadline_in_s,
-        )
-    )
-
-
 def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]]:
     return [(m.key, m.value) for m in context.invocation_metadata() or ()]
 
@@ -170,67 +124,55 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         **log_context: int,
     ) -> AsyncIterator[pb.JoinEvent | bytes]:
         """One rank's join, or a relay's group: auth, validation, then the events."""
-        with structlog.contextvars.bound_contextvars(job=job_id[:64], **log_context):
-            try:
-                self.auth.check_job(_metadata(context), job_id)
-                events = self.coordinator.join_group(
-                    intents(),
-                    alive=lambda: not context.done(),
-                    on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
-                )
-                async for event in events:
-                    yield _event(event)
-            except CohortgateError as exc:
-                await _abort(self.coordinator, context, method, exc)
-            except Exception as exc:
-                await _internal(self.coordinator, context, method, exc)
+        async with self._answering(context, method, job_id, **log_context):
+            self.auth.check_job(_metadata(context), job_id)
+            events = self.coordinator.join_group(
+                intents(),
+                alive=lambda: not context.done(),
+                on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
+            )
+            async for event in events:
+                yield rpc.event_to_pb(event)
 
     async def UploadManifest(
         self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
-        with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
-            try:
-                self.auth.check_job(_metadata(context), request.job_id)
-                signature = sha256(request.signature, "signature")
-                manifest = manifest_from_pb(request.manifest, self.limits)
-                self.coordinator.upload(
-                    request.job_id,
-                    request.round,
-                    request.rank,
-                    request.incarnation,
-                    manifest,
-                    signature,
-                    size=request.manifest.ByteSize(),
-                )
-            except CohortgateError as exc:
-                await _abort(self.coordinator, context, "UploadManifest", exc)
-            except Exception as exc:
-                await _internal(self.coordinator, context, "UploadManifest", exc)
+        async with self._answering(context, "UploadManifest", request.job_id, rank=request.rank):
+            self.auth.check_job(_metadata(context), request.job_id)
+            signature = sha256(request.signature, "signature")
+            manifest = manifest_from_pb(request.manifest, self.limits)
+            self.coordinator.upload(
+                rpc.upload_ref(request), manifest, signature, size=request.manifest.ByteSize()
+            )
         return pb.UploadManifestResponse()
 
     async def UploadDigests(
         self, request: pb.UploadDigestsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:
-        with structlog.contextvars.bound_contextvars(job=request.job_id[:64], rank=request.rank):
-            try:
-                self.auth.check_job(_metadata(context), request.job_id)
-                if len(request.digests) > self.limits.max_manifest_entries:
-                    raise LimitExceeded(
-                        f"{len(request.digests)} digests; the limit is "
-                        f"max_manifest_entries={self.limits.max_manifest_entries}"
-                    )
-                self.coordinator.upload_digests(
-                    request.job_id,
-                    request.round,
-                    request.rank,
-                    request.incarnation,
-                    [bytes(d) for d in request.digests],
+        async with self._answering(context, "UploadDigests", request.job_id, rank=request.rank):
+            self.auth.check_job(_metadata(context), request.job_id)
+            if len(request.digests) > self.limits.max_manifest_entries:
+                raise LimitExceeded(
+                    f"{len(request.digests)} digests; the limit is "
+                    f"max_manifest_entries={self.limits.max_manifest_entries}"
                 )
-            except CohortgateError as exc:
-                await _abort(self.coordinator, context, "UploadDigests", exc)
-            except Exception as exc:
-                await _internal(self.coordinator, context, "UploadDigests", exc)
+            self.coordinator.upload_digests(
+                rpc.upload_ref(request), [bytes(d) for d in request.digests]
+            )
         return pb.UploadDigestsResponse()
+
+    @contextlib.asynccontextmanager
+    async def _answering(
+        self, context: grpc.aio.ServicerContext, method: str, job_id: str, **log_context: int
+    ) -> AsyncIterator[None]:
+        """A call's log context, and its errors as status codes (a bug as INTERNAL)."""
+        with structlog.contextvars.bound_contextvars(job=job_id[:64], **log_context):
+            try:
+                yield
+            except CohortgateError as exc:
+                await _abort(self.coordinator, context, method, exc)
+            except Exception as exc:
+                await _internal(self.coordinator, context, method, exc)
 
 
 class StatusServicer(pb_grpc.StatusServiceServicer):

@@ -14,12 +14,18 @@ from coordinator.contract import ranges
 from coordinator.contract.errors import FailedPrecondition, Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import Manifest
-from coordinator.decision.cohort import Member
+from coordinator.decision.cohort import Member, UploadKind
 from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import Verdict
 from coordinator.service.observers import Observer
 from coordinator.service.status import CohortSummary, summarize
-from coordinator.state.memory import Cohort, JoinIntent, ManifestMismatch, Registry
+from coordinator.state.asks import UploadRef
+from coordinator.state.memory import Cohort, InvalidUpload, JoinIntent, Registry
+
+
+def ref_of(cohort: Cohort, member: Member) -> UploadRef:
+    return UploadRef(cohort.job_id, cohort.round, member.rank, member.incarnation)
+
 
 log = structlog.get_logger("cohortgate")
 _DIGITS = re.compile(r"\d+")
@@ -37,22 +43,15 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class DigestAsk:
-    job_id: str
-    round: int
-    rank: int
+class UploadAsk:
+    """Tell the rank of `ref` to upload `kind` (its manifest, its per-tensor digests)."""
+
+    kind: UploadKind
+    key: bytes  # the signature or weights digest the upload is for
+    ref: UploadRef
 
 
-@dataclass(frozen=True)
-class ManifestAsk:
-    signature: bytes
-    job_id: str
-    round: int
-    rank: int
-
-
-JoinEvent = Progress | ManifestAsk | DigestAsk | Verdict
-StreamKey = tuple[str, int, int, str]  # job, round, rank, incarnation
+JoinEvent = Progress | UploadAsk | Verdict
 # Up to this world size every progress event is exact; above, it may be 0.25 s stale.
 PROGRESS_EXACT_UP_TO = 1024
 
@@ -80,7 +79,8 @@ class Coordinator:
         )
         self.clock = clock
         self.progress_interval_s = progress_interval_s
-        self._pokes: dict[StreamKey, asyncio.Event] = {}
+        # The event each waiting rank's call sleeps on, by the rank's incarnation and round.
+        self._pokes: dict[UploadRef, asyncio.Event] = {}
         self._timers: dict[tuple[str, int, str], asyncio.TimerHandle] = {}
         self._progress: dict[tuple[str, int], tuple[float, int, Progress]] = {}
         self._closing = False
@@ -110,18 +110,39 @@ class Coordinator:
         progress event and one verdict for all of them. `join` is a group of one."""
         if self._closing:
             raise Unavailable("the coordinator is shutting down; retry against its successor")
-        first = intents[0]
-        history = self.observer.history
-        if history is not None and first.job_id not in self.registry.jobs:
-            # After a restart (or once the job left memory): a rank of a decided cohort that
-            # re-joins with its incarnation gets that verdict back, not a new round.
-            stored = history.verdict_of(first.job_id, first.member.incarnation)
-            if stored is not None:
-                log.info("verdict replayed from history", job=first.job_id)
-                yield stored
-                return
         poke = asyncio.Event()
-        held: list[tuple[StreamKey, Member]] = []
+        admitted = self._replayed_from_history(intents[0]) or self._admit(intents, poke)
+        if isinstance(admitted, Verdict):
+            yield admitted
+            return
+        cohort, held = admitted
+        try:
+            if on_gone is not None:
+                on_gone(poke.set)
+            self.evaluate(cohort)
+            self._changed(cohort)
+            async for event in self._wait(cohort, held, poke, intents, alive):
+                yield event
+        finally:
+            self._release(cohort, held, poke)
+
+    def _replayed_from_history(self, first: JoinIntent) -> Verdict | None:
+        """After a restart (or once the job left memory): a rank of a decided cohort that
+        re-joins with its incarnation gets that verdict back, not a new round."""
+        history = self.observer.history
+        if history is None or first.job_id in self.registry.jobs:
+            return None
+        stored = history.verdict_of(first.job_id, first.member.incarnation)
+        if stored is not None:
+            log.info("verdict replayed from history", job=first.job_id)
+        return stored
+
+    def _admit(
+        self, intents: list[JoinIntent], poke: asyncio.Event
+    ) -> Verdict | tuple[Cohort, list[tuple[UploadRef, Member]]]:
+        """Every intent joins (or all are undone): the cohort and the members now waiting on
+        `poke`, or the verdict of a decided round the same incarnation took part in."""
+        held: list[tuple[UploadRef, Member]] = []
         cohort: Cohort | None = None
         try:
             for intent in intents:
@@ -140,21 +161,20 @@ class Coordinator:
                         round=result.cohort.round,
                         rank=result.member.rank,
                     )
-                    yield result.cohort.verdict
-                    return
+                    return result.cohort.verdict
                 if cohort is not None and result.cohort is not cohort:
                     raise FailedPrecondition("the members of one group joined different rounds")
                 cohort, member = result.cohort, result.member
-                key: StreamKey = (cohort.job_id, cohort.round, member.rank, member.incarnation)
-                superseded = self._pokes.get(key)
+                ref = ref_of(cohort, member)
+                superseded = self._pokes.get(ref)
                 if superseded is not None:
                     superseded.set()
                 elif result.intruder:
                     self.observer.metrics.joins.inc()  # never a member: not waiting
                 else:
                     self.observer.joined(result.opened)
-                self._pokes[key] = poke
-                held.append((key, member))
+                self._pokes[ref] = poke
+                held.append((ref, member))
                 log.debug(
                     "rank joined",
                     job=cohort.job_id,
@@ -168,66 +188,60 @@ class Coordinator:
                 self._release(cohort, held, poke)
             raise
         assert cohort is not None
-        if on_gone is not None:
-            on_gone(poke.set)
-        self.evaluate(cohort)
-        self._changed(cohort)
-        told: set[int] = set()
-        told_digests: set[int] = set()
+        return cohort, held
+
+    async def _wait(
+        self,
+        cohort: Cohort,
+        held: list[tuple[UploadRef, Member]],
+        poke: asyncio.Event,
+        intents: list[JoinIntent],
+        alive: Callable[[], bool],
+    ) -> AsyncIterator[JoinEvent]:
+        """Progress, upload asks, then the verdict: woken by `poke` or the progress timer."""
+        told: set[tuple[UploadKind, int]] = set()
         quiet = all(i.quiet for i in intents)
         loop = asyncio.get_running_loop()
         last_progress = float("-inf")
-        try:
-            while True:
-                if cohort.verdict is not None:
-                    yield cohort.verdict
-                    return
-                held = [(k, m) for k, m in held if self._pokes.get(k) is poke]
-                if not held:
-                    ranks = ",".join(str(i.member.rank) for i in intents)
-                    raise FailedPrecondition(
-                        f"rank(s) {ranks} joined again on another call; this call is superseded"
-                    )
-                if not alive():
-                    return  # the call is gone: `finally` frees the ranks
-                if self._closing:
-                    raise Unavailable(
-                        "the coordinator is shutting down; the agent will re-join its successor"
-                    )
+        while True:
+            if cohort.verdict is not None:
+                yield cohort.verdict
+                return
+            held[:] = [(k, m) for k, m in held if self._pokes.get(k) is poke]
+            if not held:
+                ranks = ",".join(str(i.member.rank) for i in intents)
+                raise FailedPrecondition(
+                    f"rank(s) {ranks} joined again on another call; this call is superseded"
+                )
+            if not alive():
+                return  # the call is gone: the caller's `finally` frees the ranks
+            if self._closing:
+                raise Unavailable(
+                    "the coordinator is shutting down; the agent will re-join its successor"
+                )
+            for ref, m in held:
+                for ask in cohort.asks.of(m):
+                    if (ask.kind, m.rank) not in told:
+                        told.add((ask.kind, m.rank))
+                        yield UploadAsk(ask.kind, ask.key, ref)
+            now = self.clock()
+            if now - last_progress >= self.progress_interval_s and (not quiet or last_progress < 0):
+                last_progress = now
                 for _, m in held:
-                    if m.rank not in told and cohort.asked.get(m.signature) == (
-                        m.rank,
-                        m.incarnation,
-                    ):
-                        told.add(m.rank)
-                        yield ManifestAsk(m.signature, cohort.job_id, cohort.round, m.rank)
-                    if m.rank not in told_digests and cohort.digests_asked.get(
-                        m.weights_digest
-                    ) == (m.rank, m.incarnation):
-                        told_digests.add(m.rank)
-                        yield DigestAsk(cohort.job_id, cohort.round, m.rank)
-                now = self.clock()
-                if now - last_progress >= self.progress_interval_s and (
-                    not quiet or last_progress < 0
-                ):
-                    last_progress = now
-                    for _, m in held:
-                        m.last_seen = now
-                    yield self.progress(cohort)
-                timer = None
-                if not quiet:
-                    # A timer handle, not asyncio.wait_for: that costs a task per wait,
-                    # which at 16k waiting ranks is most of the coordinator's time.
-                    wait = self.progress_interval_s - (self.clock() - last_progress)
-                    timer = loop.call_later(max(wait, 0.0), poke.set)
-                await poke.wait()
-                if timer is not None:
-                    timer.cancel()
-                poke.clear()
-        finally:
-            self._release(cohort, held, poke)
+                    m.last_seen = now
+                yield self.progress(cohort)
+            timer = None
+            if not quiet:
+                # A timer handle, not asyncio.wait_for: that costs a task per wait,
+                # which at 16k waiting ranks is most of the coordinator's time.
+                wait = self.progress_interval_s - (self.clock() - last_progress)
+                timer = loop.call_later(max(wait, 0.0), poke.set)
+            await poke.wait()
+            if timer is not None:
+                timer.cancel()
+            poke.clear()
 
-    def _release(self, cohort: Cohort, held: list[tuple[StreamKey, Member]], poke: object) -> None:
+    def _release(self, cohort: Cohort, held: list[tuple[UploadRef, Member]], poke: object) -> None:
         """A call ended: its members still waiting leave (unless another call took them)."""
         for key, member in held:
             if self._pokes.get(key) is poke:
@@ -238,7 +252,7 @@ class Coordinator:
     def _depart(self, cohort: Cohort, member: Member) -> None:
         if cohort.state.members.get(member.rank) is not member:
             return  # an intruder (another launch), or already replaced
-        successor = self.registry.leave(cohort, member)
+        successors = self.registry.leave(cohort, member)
         self.observer.departed()
         self._changed(cohort)
         log.info(
@@ -249,14 +263,14 @@ class Coordinator:
             host=member.host,
             incarnation=member.incarnation,
         )
-        if successor is not None:
+        for successor in successors:
             self._poke(cohort, successor)
         if self.registry.abandon(cohort):
             self._abandoned(cohort)
 
     def _settle(self, cohort: Cohort) -> None:
         """A cohort stops waiting (decided or abandoned): its timers and progress go."""
-        for label in ("deadline", "manifests"):
+        for label in ("deadline", "uploads"):
             timer = self._timers.pop((cohort.job_id, cohort.round, label), None)
             if timer is not None:
                 timer.cancel()
@@ -298,43 +312,32 @@ class Coordinator:
         self._progress[cache_key] = (now, state.version, event)
         return event
 
-    # -- manifests ---------------------------------------------------------------------
-    def upload(
-        self,
-        job_id: str,
-        round_: int,
-        rank: int,
-        incarnation: str,
-        manifest: Manifest,
-        claimed: bytes,
-        size: int = 0,
-    ) -> None:
+    # -- uploads -----------------------------------------------------------------------
+    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes, size: int = 0) -> None:
         try:
-            cohort = self.registry.upload(job_id, round_, rank, incarnation, manifest, claimed)
-        except ManifestMismatch as exc:
+            cohort = self.registry.upload(ref, manifest, claimed)
+        except InvalidUpload as exc:
             self.observer.uploaded(False, size)
             self.evaluate(exc.cohort)  # every rank learns why, not only the uploader
             raise
         self.observer.uploaded(True, size)
         log.info(
             "manifest uploaded",
-            job=job_id,
-            round=round_,
-            rank=rank,
+            job=ref.job_id,
+            round=ref.round,
+            rank=ref.rank,
             signature=claimed.hex()[:12],
             entries=len(manifest),
         )
         self.evaluate(cohort)
 
-    def upload_digests(
-        self, job_id: str, round_: int, rank: int, incarnation: str, digests: list[bytes]
-    ) -> None:
+    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> None:
         try:
-            cohort = self.registry.upload_digests(job_id, round_, rank, incarnation, digests)
-        except ManifestMismatch as exc:
+            cohort = self.registry.upload_digests(ref, digests)
+        except InvalidUpload as exc:
             self.evaluate(exc.cohort)
             raise
-        log.info("weight digests uploaded", job=job_id, round=round_, rank=rank)
+        log.info("weight digests uploaded", job=ref.job_id, round=ref.round, rank=ref.rank)
         self.evaluate(cohort)
 
     # -- decisions ---------------------------------------------------------------------
@@ -358,15 +361,13 @@ class Coordinator:
             if kind != cohort.last_reason_kind:
                 cohort.last_reason_kind = kind
                 log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
-            for asked in cohort.digests_asked.values():
-                holder = cohort.holder(asked)
-                if holder is not None:
-                    self._poke(cohort, holder)
+            for holder in cohort.asks.holders(cohort.state):
+                self._poke(cohort, holder)
             if (
                 decision.awaiting_manifests or decision.awaiting_digests
             ) and cohort.state.complete_at is not None:
                 self._schedule(
-                    cohort, "manifests", cohort.state.complete_at + self.options.manifest_timeout_s
+                    cohort, "uploads", cohort.state.complete_at + self.options.manifest_timeout_s
                 )
             return
         verdict = cohort.verdict
@@ -386,7 +387,7 @@ class Coordinator:
         self._changed(cohort)
 
     def _poke(self, cohort: Cohort, member: Member) -> None:
-        event = self._pokes.get((cohort.job_id, cohort.round, member.rank, member.incarnation))
+        event = self._pokes.get(ref_of(cohort, member))
         if event is not None:
             event.set()
 

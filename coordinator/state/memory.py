@@ -18,14 +18,15 @@ from coordinator.contract.manifest import Manifest
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
 from coordinator.decision.formation import Decision, FormationOptions, decide
 from coordinator.decision.report import Verdict, build_verdict
+from coordinator.state.asks import Asks, UploadRef
 
 # Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
 # verdict back; older rounds are forgotten (the history database keeps them for good).
 ROUNDS_KEPT = 4
 
 
-class ManifestMismatch(InvalidArgument):
-    """An upload that does not hash to its signature; the cohort is refused for it."""
+class InvalidUpload(InvalidArgument):
+    """An upload that does not match what its rank joined with; the cohort is refused."""
 
     def __init__(self, message: str, cohort: Cohort) -> None:
         super().__init__(message)
@@ -49,10 +50,8 @@ class Cohort:
 
     state: CohortState
     verdict: Verdict | None = None
-    # signature -> (rank, incarnation) asked to upload its manifest
-    asked: dict[bytes, tuple[int, str]] = field(default_factory=dict)
-    # weights digest -> (rank, incarnation) asked for its per-tensor digests
-    digests_asked: dict[bytes, tuple[int, str]] = field(default_factory=dict)
+    # who is asked for which upload (manifests at join, per-tensor digests on demand)
+    asks: Asks = field(default_factory=Asks)
     last_reason: str = ""  # the decision's reason as it was last evaluated
     last_reason_kind: str = ""  # the same with digits masked: logged when it changes
     abandoned_at: float | None = None  # every rank left before a verdict
@@ -76,13 +75,6 @@ class Cohort:
     def round(self) -> int:
         return self.state.round
 
-    def holder(self, asked: tuple[int, str] | None) -> Member | None:
-        """The member still holding an ask's (rank, incarnation), or None if it left."""
-        if asked is None:
-            return None
-        member = self.state.members.get(asked[0])
-        return member if member is not None and member.incarnation == asked[1] else None
-
 
 @dataclass
 class Job:
@@ -97,7 +89,6 @@ class Job:
 class JoinResult:
     cohort: Cohort
     member: Member
-    ask_manifest: bool
     replayed: bool = False  # a decided round's verdict handed back to the same incarnation
     opened: bool = False  # this join opened the cohort (a new round)
     intruder: bool = False  # of another launch, for a rank held: refuses the cohort
@@ -174,7 +165,7 @@ class Registry:
         if held is not None and held.incarnation != member.incarnation:
             if member.launch and held.launch and member.launch != held.launch:
                 state.intruders.append(member)
-                return JoinResult(cohort, member, False, intruder=True)
+                return JoinResult(cohort, member, intruder=True)
             raise AlreadyHeld(
                 f"rank {member.rank} of job '{job.job_id}' round {state.round} is already held "
                 f"by incarnation {held.incarnation} (host {held.host}, pid {held.pid}); this "
@@ -186,10 +177,9 @@ class Registry:
         if opened:
             self.waiting_cohorts += 1
         state.add(member, now)
-        ask = self._needs_uploader(cohort, member.signature)
-        if ask:
-            cohort.asked[member.signature] = (member.rank, member.incarnation)
-        return JoinResult(cohort, member, ask, opened=opened)
+        # The first rank of each signature is asked for its manifest at once.
+        cohort.asks.ask(state, UploadKind.MANIFEST, member.signature, prefer=member)
+        return JoinResult(cohort, member, opened=opened)
 
     def _replay(self, job: Job, intent: JoinIntent) -> JoinResult | None:
         past_round = job.incarnations.get(intent.member.incarnation)
@@ -199,7 +189,7 @@ class Registry:
         member = cohort.state.members.get(intent.member.rank)
         if member is None or member.incarnation != intent.member.incarnation:
             return None
-        return JoinResult(cohort, member, ask_manifest=False, replayed=True)
+        return JoinResult(cohort, member, replayed=True)
 
     def _check_round(self, job: Job, asked: int, open_round: int) -> None:
         if asked in (0, open_round):
@@ -227,33 +217,19 @@ class Registry:
             for m in cohort.state.members.values():
                 job.incarnations.pop(m.incarnation, None)
 
-    def _needs_uploader(self, cohort: Cohort, signature: bytes) -> bool:
-        if signature in cohort.state.manifests:
-            return False
-        return cohort.holder(cohort.asked.get(signature)) is None
-
     # -- departures --------------------------------------------------------------------
-    def leave(self, cohort: Cohort, member: Member) -> Member | None:
+    def leave(self, cohort: Cohort, member: Member) -> list[Member]:
         """A rank's call dropped before the verdict: free its rank for a restarted process.
 
-        Returns another member of the same class to ask for the manifest, where the one
-        that left had been asked and had not uploaded yet.
+        Returns the members now asked for the uploads the one that left had been asked for
+        and had not sent.
         """
         if cohort.verdict is not None:
-            return None
+            return []
         if cohort.state.members.get(member.rank) is member:
             self.waiting_ranks -= 1
         cohort.state.remove(member, self.clock())
-        asked = cohort.asked.get(member.signature)
-        if asked != (member.rank, member.incarnation):
-            return None
-        del cohort.asked[member.signature]
-        ranks = cohort.state.classes.get(member.signature)
-        if not ranks or member.signature in cohort.state.manifests:
-            return None
-        successor = cohort.state.members[min(ranks)]
-        cohort.asked[member.signature] = (successor.rank, successor.incarnation)
-        return successor
+        return cohort.asks.hand_over(cohort.state, member)
 
     def abandon(self, cohort: Cohort) -> bool:
         """A waiting cohort whose every rank has left is abandoned at once: its slot is
@@ -265,33 +241,31 @@ class Registry:
         self.waiting_cohorts -= 1
         return True
 
-    # -- manifests ---------------------------------------------------------------------
-    def _member(
-        self, job_id: str, round_: int, rank: int, incarnation: str, what: str
-    ) -> tuple[Cohort, Member]:
+    # -- uploads -----------------------------------------------------------------------
+    def _member(self, ref: UploadRef, what: str) -> tuple[Cohort, Member]:
         """The cohort and member an upload of `what` comes from, or the error saying why not."""
-        job = self.jobs.get(job_id)
-        cohort = job.rounds.get(round_) if job else None
+        job = self.jobs.get(ref.job_id)
+        cohort = job.rounds.get(ref.round) if job else None
         if job is None or cohort is None:
-            raise NotFound(f"no round {round_} of job '{job_id}' is held by this coordinator")
-        member = cohort.state.members.get(rank)
-        if member is None or member.incarnation != incarnation:
+            raise NotFound(
+                f"no round {ref.round} of job '{ref.job_id}' is held by this coordinator"
+            )
+        member = cohort.state.members.get(ref.rank)
+        if member is None or member.incarnation != ref.incarnation:
             raise FailedPrecondition(
-                f"rank {rank} incarnation {incarnation} is not a member of job '{job_id}' "
-                f"round {round_}: join before uploading {what}"
+                f"rank {ref.rank} incarnation {ref.incarnation} is not a member of job "
+                f"'{ref.job_id}' round {ref.round}: join before uploading {what}"
             )
         return cohort, member
 
-    def upload(
-        self,
-        job_id: str,
-        round_: int,
-        rank: int,
-        incarnation: str,
-        manifest: Manifest,
-        claimed: bytes,
-    ) -> Cohort:
-        cohort, member = self._member(job_id, round_, rank, incarnation, "a manifest")
+    def _invalid(self, cohort: Cohort, kind: UploadKind, key: bytes, message: str) -> InvalidUpload:
+        cohort.state.invalid_uploads.setdefault((kind, key), message)
+        cohort.asks.done(kind, key)
+        return InvalidUpload(message, cohort)
+
+    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> Cohort:
+        cohort, member = self._member(ref, "a manifest")
+        rank = ref.rank
         if claimed != member.signature:
             raise InvalidArgument(
                 f"upload claims signature {claimed.hex()[:12]}, but rank {rank} joined with "
@@ -305,14 +279,14 @@ class Registry:
                 "with: agent and coordinator disagree on the encoding, or the model changed "
                 "between signing and uploading"
             )
-            cohort.state.invalid_uploads.setdefault((UploadKind.MANIFEST, claimed), message)
-            raise ManifestMismatch(message, cohort)
+            raise self._invalid(cohort, UploadKind.MANIFEST, claimed, message)
         if len(manifest) != member.manifest_entries:
             raise InvalidArgument(
                 f"the manifest uploaded by rank {rank} has {len(manifest)} entries, but the "
                 f"join announced {member.manifest_entries}"
             )
         cohort.state.manifests.setdefault(claimed, manifest)
+        cohort.asks.done(UploadKind.MANIFEST, claimed)
         return cohort
 
     # -- decisions ---------------------------------------------------------------------
@@ -323,7 +297,9 @@ class Registry:
         now = self.clock()
         decision = decide(cohort.state, now, self.options)
         if decision.outcome is Outcome.WAITING:
-            self._ask_digests(cohort, decision.awaiting_digests)
+            # One representative per weights digest (its lowest rank) is asked for its list.
+            for digest in decision.awaiting_digests:
+                cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest)
             return decision
         cohort.verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
         self.waiting_cohorts -= 1
@@ -333,19 +309,9 @@ class Registry:
             job.incarnations[m.incarnation] = cohort.round
         return decision
 
-    def _ask_digests(self, cohort: Cohort, wanted: tuple[bytes, ...]) -> None:
-        """One representative per weights digest (its lowest rank) is asked for its list."""
-        members = cohort.state.members
-        for digest in wanted:
-            if cohort.holder(cohort.digests_asked.get(digest)) is not None:
-                continue
-            rank = min(r for r, m in members.items() if m.weights_digest == digest)
-            cohort.digests_asked[digest] = (rank, members[rank].incarnation)
-
-    def upload_digests(
-        self, job_id: str, round_: int, rank: int, incarnation: str, digests: list[bytes]
-    ) -> Cohort:
-        cohort, member = self._member(job_id, round_, rank, incarnation, "digests")
+    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> Cohort:
+        cohort, member = self._member(ref, "digests")
+        rank = ref.rank
         if not member.weights_digest:
             raise FailedPrecondition(
                 f"rank {rank} joined without a weights digest; there is nothing to explain"
@@ -373,11 +339,9 @@ class Registry:
                 "combine to the weights digest it joined with: the weights changed between "
                 "digesting and uploading, or agent and coordinator versions differ"
             )
-            cohort.state.invalid_uploads.setdefault(
-                (UploadKind.DIGESTS, member.weights_digest), message
-            )
-            raise ManifestMismatch(message, cohort)
+            raise self._invalid(cohort, UploadKind.DIGESTS, member.weights_digest, message)
         cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
+        cohort.asks.done(UploadKind.DIGESTS, member.weights_digest)
         return cohort
 
     def evict(self, older_than_s: float) -> int:

@@ -1,0 +1,106 @@
+"""One ask: one rank of a class is asked for an upload (its manifest, its per-tensor digests),
+handed over to another rank of the class when it leaves, closed once the upload lands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.decision.cohort import CohortState, Member, UploadKind
+
+
+@dataclass(frozen=True)
+class UploadRef:
+    """Who sends an upload: one incarnation of one rank in one round of a job."""
+
+    job_id: str
+    round: int
+    rank: int
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Rank `rank` (incarnation `incarnation`) is to upload `kind` for the class `key`."""
+
+    kind: UploadKind
+    key: bytes  # the class: a signature (manifest) or a weights digest (digests)
+    rank: int
+    incarnation: str
+
+
+def key_of(member: Member, kind: UploadKind) -> bytes:
+    """The class a member belongs to for uploads of `kind`."""
+    return member.signature if kind is UploadKind.MANIFEST else member.weights_digest
+
+
+def uploaded(state: CohortState, kind: UploadKind, key: bytes) -> bool:
+    if kind is UploadKind.MANIFEST:
+        return key in state.manifests
+    return key in state.tensor_digests
+
+
+class Asks:
+    """The open asks of one cohort: at most one per (kind, class), held by a live member."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[UploadKind, bytes], Ask] = {}
+
+    def holder(self, state: CohortState, ask: Ask) -> Member | None:
+        """The member still holding the ask's rank and incarnation, or None if it left."""
+        member = state.members.get(ask.rank)
+        return member if member is not None and member.incarnation == ask.incarnation else None
+
+    def ask(
+        self, state: CohortState, kind: UploadKind, key: bytes, prefer: Member | None = None
+    ) -> Ask | None:
+        """Make sure some live member of the class is asked (`prefer`, else its lowest rank);
+        returns the ask, or None when the upload is in or no member holds the class."""
+        if uploaded(state, kind, key):
+            return None
+        current = self._open.get((kind, key))
+        if current is not None and self.holder(state, current) is not None:
+            return current
+        member = prefer if prefer is not None and key_of(prefer, kind) == key else None
+        if member is None:
+            ranks = (
+                state.classes.get(key, ())
+                if kind is UploadKind.MANIFEST
+                else [r for r, m in state.members.items() if m.weights_digest == key]
+            )
+            if not ranks:
+                self._open.pop((kind, key), None)
+                return None
+            member = state.members[min(ranks)]
+        made = Ask(kind, key, member.rank, member.incarnation)
+        self._open[(kind, key)] = made
+        return made
+
+    def of(self, member: Member) -> list[Ask]:
+        """The asks `member` holds (O(1): one lookup per kind)."""
+        out = []
+        for kind in UploadKind:
+            ask = self._open.get((kind, key_of(member, kind)))
+            if ask is not None and (ask.rank, ask.incarnation) == (
+                member.rank,
+                member.incarnation,
+            ):
+                out.append(ask)
+        return out
+
+    def hand_over(self, state: CohortState, member: Member) -> list[Member]:
+        """`member` left: each ask it held goes to another member of its class. Returns the
+        members newly asked (to wake them)."""
+        successors = []
+        for ask in self.of(member):
+            del self._open[(ask.kind, ask.key)]
+            again = self.ask(state, ask.kind, ask.key)
+            if again is not None:
+                successors.append(state.members[again.rank])
+        return successors
+
+    def done(self, kind: UploadKind, key: bytes) -> None:
+        self._open.pop((kind, key), None)
+
+    def holders(self, state: CohortState) -> list[Member]:
+        """The live members holding an open ask."""
+        return [m for a in self._open.values() if (m := self.holder(state, a)) is not None]

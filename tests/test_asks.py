@@ -1,0 +1,76 @@
+"""One ask: a rank of a class is asked for an upload, handed over when it leaves, and an
+upload that does not match is named by its kind. Registry-level, with no network."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.contract.digests import DIGEST_BYTES, combine
+from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.decision.checks import Policies
+from coordinator.decision.cohort import Cause, Member, Outcome, UploadKind
+from coordinator.decision.formation import FormationOptions
+from coordinator.state.asks import UploadRef
+from coordinator.state.memory import InvalidUpload, JoinIntent, Registry
+
+MANIFEST = Manifest.of([Entry(Kind.PARAMETER, "w", "float32", (4, 4), True)])
+PER_TENSOR = {d: [bytes([d]) * DIGEST_BYTES] for d in (1, 2)}
+WEIGHTS = {d: combine(zip(["w"], PER_TENSOR[d], strict=True)) for d in (1, 2)}
+
+
+def _registry() -> Registry:
+    options = FormationOptions(policies=Policies.parse(["weights=strict"]))
+    return Registry(options, clock=lambda: 100.0)
+
+
+def _join(registry: Registry, rank: int, digest: int) -> Member:
+    member = Member(
+        rank=rank,
+        host=f"node{rank}",
+        pid=rank,
+        incarnation=f"i{rank}",
+        signature=MANIFEST.signature(),
+        manifest_entries=1,
+        weights_digest=WEIGHTS[digest],
+    )
+    registry.join(JoinIntent("job", 0, member, 3))
+    return member
+
+
+def _ref(m: Member) -> UploadRef:
+    return UploadRef("job", 1, m.rank, m.incarnation)
+
+
+def test_a_digest_ask_is_handed_over_when_its_rank_leaves() -> None:
+    registry = _registry()
+    members = [_join(registry, 0, 1), _join(registry, 1, 1), _join(registry, 2, 2)]
+    cohort = registry.jobs["job"].current
+    assert [a.kind for a in cohort.asks.of(members[0])] == [UploadKind.MANIFEST]
+    registry.upload(_ref(members[0]), MANIFEST, MANIFEST.signature())
+    decision = registry.evaluate(cohort)
+    assert decision is not None and decision.outcome is Outcome.WAITING
+    assert [a.kind for a in cohort.asks.of(members[0])] == [UploadKind.DIGESTS]
+    assert [a.kind for a in cohort.asks.of(members[2])] == [UploadKind.DIGESTS]
+    assert cohort.asks.of(members[1]) == []
+    successors = registry.leave(cohort, members[0])
+    assert successors == [members[1]]
+    assert [(a.kind, a.key) for a in cohort.asks.of(members[1])] == [
+        (UploadKind.DIGESTS, WEIGHTS[1])
+    ]
+
+
+def test_digests_that_do_not_combine_refuse_as_digests_not_as_a_manifest() -> None:
+    registry = _registry()
+    members = [_join(registry, 0, 1), _join(registry, 1, 1), _join(registry, 2, 2)]
+    cohort = registry.jobs["job"].current
+    registry.upload(_ref(members[0]), MANIFEST, MANIFEST.signature())
+    registry.evaluate(cohort)
+    with pytest.raises(InvalidUpload, match="do not combine to the weights digest"):
+        registry.upload_digests(_ref(members[2]), PER_TENSOR[1])  # rank 2 holds digest 2
+    registry.evaluate(cohort)
+    verdict = cohort.verdict
+    assert verdict is not None and verdict.cause is Cause.MANIFEST_INVALID
+    assert "digest list(s) did not combine" in verdict.reason
+    assert "manifest" not in verdict.reason
+    assert "uploaded digests did not match what it joined with" in verdict.report
+    assert verdict.headline.startswith("the per-tensor digests uploaded by rank 2")
