@@ -1,5 +1,5 @@
 """One ask: a rank of a class is asked for an upload, handed over when it leaves, and an
-upload that does not match is named by its kind. Registry-level, with no network."""
+upload that does not match is named by its kind. MemoryStore-level, with no network."""
 
 from __future__ import annotations
 
@@ -11,19 +11,20 @@ from coordinator.decision.checks import Policies
 from coordinator.decision.cohort import Cause, Member, Outcome, UploadKind
 from coordinator.decision.formation import FormationOptions
 from coordinator.state.asks import UploadRef
-from coordinator.state.memory import InvalidUpload, JoinIntent, Registry
+from coordinator.state.base import InvalidUpload, JoinIntent
+from coordinator.state.memory import MemoryStore
 
 MANIFEST = Manifest.of([Entry(Kind.PARAMETER, "w", "float32", (4, 4), True)])
 PER_TENSOR = {d: [bytes([d]) * DIGEST_BYTES] for d in (1, 2)}
 WEIGHTS = {d: combine(zip(["w"], PER_TENSOR[d], strict=True)) for d in (1, 2)}
 
 
-def _registry() -> Registry:
+def _registry() -> MemoryStore:
     options = FormationOptions(policies=Policies.parse(["weights=strict"]))
-    return Registry(options, clock=lambda: 100.0)
+    return MemoryStore(options, clock=lambda: 100.0)
 
 
-def _join(registry: Registry, rank: int, digest: int) -> Member:
+def _join(registry: MemoryStore, rank: int, digest: int) -> Member:
     member = Member(
         rank=rank,
         host=f"node{rank}",
@@ -44,7 +45,8 @@ def _ref(m: Member) -> UploadRef:
 def test_a_digest_ask_is_handed_over_when_its_rank_leaves() -> None:
     registry = _registry()
     members = [_join(registry, 0, 1), _join(registry, 1, 1), _join(registry, 2, 2)]
-    cohort = registry.jobs["job"].current
+    cohort = registry.find("job")
+    assert cohort is not None
     assert [a.kind for a in cohort.asks.of(members[0])] == [UploadKind.MANIFEST]
     registry.upload(_ref(members[0]), MANIFEST, MANIFEST.signature())
     decision = registry.evaluate(cohort)
@@ -62,7 +64,8 @@ def test_a_digest_ask_is_handed_over_when_its_rank_leaves() -> None:
 def test_digests_that_do_not_combine_refuse_as_digests_not_as_a_manifest() -> None:
     registry = _registry()
     members = [_join(registry, 0, 1), _join(registry, 1, 1), _join(registry, 2, 2)]
-    cohort = registry.jobs["job"].current
+    cohort = registry.find("job")
+    assert cohort is not None
     registry.upload(_ref(members[0]), MANIFEST, MANIFEST.signature())
     registry.evaluate(cohort)
     with pytest.raises(InvalidUpload, match="do not combine to the weights digest"):

@@ -239,12 +239,13 @@ def test_a_dropped_rank_frees_its_place_for_a_restart(coord: InProcessCoordinato
         call.cancel()
     deadline = time.monotonic() + 5
     while True:
-        job = coord.call(lambda: coord.running.coordinator.registry.jobs["drop"])
-        if 1 not in job.current.state.members:
+        cohort = coord.call(lambda: coord.running.coordinator.find("drop"))
+        assert cohort is not None
+        if 1 not in cohort.state.members:
             break
         assert time.monotonic() < deadline, "the dropped rank was never released"
         time.sleep(0.05)
-    assert [d.incarnation for d in job.current.state.departures] == ["old"]
+    assert [d.incarnation for d in cohort.state.departures] == ["old"]
     results = run_cohort(coord.addr, "drop", dict.fromkeys(range(2), m))
     assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results)
 
@@ -298,7 +299,7 @@ def test_decided_jobs_leave_memory_but_their_verdicts_replay_from_history() -> N
                 for f in [pool.submit(run_rank, coord.addr, q, m) for q in requests]
             ]
         give_up = time.monotonic() + 10
-        while coord.call(lambda: "evicted" in coord.running.coordinator.registry.jobs):
+        while coord.call(lambda: coord.running.coordinator.store.holds("evicted")):
             assert time.monotonic() < give_up, "the decided job never left memory"
             time.sleep(0.1)
         again = run_rank(coord.addr, requests[0], m)

@@ -10,7 +10,8 @@ from coordinator.decision.cohort import CohortState, Member
 from coordinator.decision.formation import FormationOptions, decide
 from coordinator.decision.report import build_verdict
 from coordinator.edge.rpc import verdict_to_pb
-from coordinator.state.history import History, VerdictRow
+from coordinator.state.base import VerdictRow
+from coordinator.state.history import History
 
 
 def _manifest(names: range, dtype: str) -> Manifest:

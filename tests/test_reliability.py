@@ -89,6 +89,11 @@ def test_a_decided_rank_rejoining_after_restart_gets_the_same_verdict(tmp_path: 
     assert again.verdict == first[1].verdict, "the same verdict, not a new round"
 
 
+def _holds(c: InProcessCoordinator, job_id: str, rank: int) -> bool:
+    cohort = c.running.coordinator.find(job_id)
+    return cohort is not None and rank in cohort.state.members
+
+
 @pytest.mark.timeout(60)
 def test_a_rank_that_dies_while_waiting_is_dropped_and_reported_missing(tmp_path: Path) -> None:
     c = InProcessCoordinator(join_deadline=4.0, rank_grace=2.0)
@@ -100,16 +105,12 @@ def test_a_rank_that_dies_while_waiting_is_dropped_and_reported_missing(tmp_path
     try:
         proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
         give_up = time.monotonic() + 20
-        while "dying" not in c.running.coordinator.registry.jobs or not c.call(
-            lambda: 1 in c.running.coordinator.registry.jobs["dying"].current.state.members
-        ):
+        while not c.call(lambda: _holds(c, "dying", 1)):
             assert time.monotonic() < give_up, "the rank never joined"
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)  # dies without a word
         killed_at = time.monotonic()
-        while c.call(
-            lambda: 1 in c.running.coordinator.registry.jobs["dying"].current.state.members
-        ):
+        while c.call(lambda: _holds(c, "dying", 1)):
             assert time.monotonic() - killed_at < 2.0, "not dropped within the grace"
             time.sleep(0.05)
         results = run_cohort(c.addr, "dying", {0: manifest_of(), 2: manifest_of()}, world=3)

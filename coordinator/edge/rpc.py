@@ -40,8 +40,7 @@ from coordinator.decision.report import Verdict
 from coordinator.service.core import JoinEvent, UploadAsk
 from coordinator.service.status import CohortSummary
 from coordinator.state.asks import UploadRef
-from coordinator.state.history import VerdictRow
-from coordinator.state.memory import Cohort, JoinIntent
+from coordinator.state.base import JoinIntent, LiveCohort, VerdictRow
 
 _CAUSE_TO_PB = {
     Cause.SIGNATURE_MISMATCH: pb.Refusal.CAUSE_SIGNATURE_MISMATCH,
@@ -166,7 +165,7 @@ def summary_to_pb(s: CohortSummary) -> pb.CohortSummary:
     )
 
 
-def detail_to_pb(summary: CohortSummary, cohort: Cohort) -> pb.CohortDetail:
+def detail_to_pb(summary: CohortSummary, cohort: LiveCohort) -> pb.CohortDetail:
     msg = pb.CohortDetail(summary=summary_to_pb(summary))
     for rank in sorted(cohort.state.members):
         m = cohort.state.members[rank]

@@ -175,7 +175,7 @@ async def _sweep(coordinator: Coordinator, retention_s: float) -> None:
     """Forget decided jobs past their retention, so memory stays flat job after job."""
     while True:
         await asyncio.sleep(min(max(retention_s / 2, 0.5), 60.0))
-        evicted = coordinator.registry.evict(retention_s)
+        evicted = coordinator.store.evict(retention_s)
         if evicted:
             log.debug("forgot decided jobs", count=evicted)
 

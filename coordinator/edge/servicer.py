@@ -29,7 +29,7 @@ from coordinator.contract.limits import Limits
 from coordinator.edge import rpc
 from coordinator.edge.auth import Auth
 from coordinator.service.core import Coordinator
-from coordinator.state.memory import JoinIntent
+from coordinator.state.base import JoinIntent
 
 log = structlog.get_logger("cohortgate")
 

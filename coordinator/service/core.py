@@ -20,10 +20,11 @@ from coordinator.decision.report import Verdict
 from coordinator.service.observers import Observer
 from coordinator.service.status import CohortSummary, summarize
 from coordinator.state.asks import UploadRef
-from coordinator.state.memory import Cohort, InvalidUpload, JoinIntent, Registry
+from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, LiveCohort
+from coordinator.state.memory import MemoryStore
 
 
-def ref_of(cohort: Cohort, member: Member) -> UploadRef:
+def ref_of(cohort: LiveCohort, member: Member) -> UploadRef:
     return UploadRef(cohort.job_id, cohort.round, member.rank, member.incarnation)
 
 
@@ -57,7 +58,8 @@ PROGRESS_EXACT_UP_TO = 1024
 
 
 class Coordinator:
-    """Registry plus waiting: one asyncio.Event per waiting rank, timers for deadlines."""
+    """The cohort store plus waiting: one asyncio.Event per waiting rank, timers for
+    deadlines. `store` defaults to memory; any `CohortStore` serves."""
 
     def __init__(
         self,
@@ -67,11 +69,12 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
         observer: Observer | None = None,
         limits: Limits | None = None,
+        store: CohortStore | None = None,
     ) -> None:
         self.options = options or FormationOptions()
         self.observer = observer or Observer()
         history = self.observer.history
-        self.registry = Registry(
+        self.store = store or MemoryStore(
             self.options,
             clock,
             history.last_round if history is not None else lambda _: 0,
@@ -130,7 +133,7 @@ class Coordinator:
         """After a restart (or once the job left memory): a rank of a decided cohort that
         re-joins with its incarnation gets that verdict back, not a new round."""
         history = self.observer.history
-        if history is None or first.job_id in self.registry.jobs:
+        if history is None or self.store.holds(first.job_id):
             return None
         stored = history.verdict_of(first.job_id, first.member.incarnation)
         if stored is not None:
@@ -139,14 +142,14 @@ class Coordinator:
 
     def _admit(
         self, intents: list[JoinIntent], poke: asyncio.Event
-    ) -> Verdict | tuple[Cohort, list[tuple[UploadRef, Member]]]:
+    ) -> Verdict | tuple[LiveCohort, list[tuple[UploadRef, Member]]]:
         """Every intent joins (or all are undone): the cohort and the members now waiting on
         `poke`, or the verdict of a decided round the same incarnation took part in."""
         held: list[tuple[UploadRef, Member]] = []
-        cohort: Cohort | None = None
+        cohort: LiveCohort | None = None
         try:
             for intent in intents:
-                result = self.registry.join(intent)
+                result = self.store.join(intent)
                 if result.replayed:
                     if held:
                         raise FailedPrecondition(
@@ -192,7 +195,7 @@ class Coordinator:
 
     async def _wait(
         self,
-        cohort: Cohort,
+        cohort: LiveCohort,
         held: list[tuple[UploadRef, Member]],
         poke: asyncio.Event,
         intents: list[JoinIntent],
@@ -241,7 +244,9 @@ class Coordinator:
                 timer.cancel()
             poke.clear()
 
-    def _release(self, cohort: Cohort, held: list[tuple[UploadRef, Member]], poke: object) -> None:
+    def _release(
+        self, cohort: LiveCohort, held: list[tuple[UploadRef, Member]], poke: object
+    ) -> None:
         """A call ended: its members still waiting leave (unless another call took them)."""
         for key, member in held:
             if self._pokes.get(key) is poke:
@@ -249,10 +254,10 @@ class Coordinator:
                 if cohort.verdict is None:
                     self._depart(cohort, member)
 
-    def _depart(self, cohort: Cohort, member: Member) -> None:
+    def _depart(self, cohort: LiveCohort, member: Member) -> None:
         if cohort.state.members.get(member.rank) is not member:
             return  # an intruder (another launch), or already replaced
-        successors = self.registry.leave(cohort, member)
+        successors = self.store.leave(cohort, member)
         self.observer.departed()
         self._changed(cohort)
         log.info(
@@ -265,10 +270,10 @@ class Coordinator:
         )
         for successor in successors:
             self._poke(cohort, successor)
-        if self.registry.abandon(cohort):
+        if self.store.abandon(cohort):
             self._abandoned(cohort)
 
-    def _settle(self, cohort: Cohort) -> None:
+    def _settle(self, cohort: LiveCohort) -> None:
         """A cohort stops waiting (decided or abandoned): its timers and progress go."""
         for label in ("deadline", "uploads"):
             timer = self._timers.pop((cohort.job_id, cohort.round, label), None)
@@ -276,7 +281,7 @@ class Coordinator:
                 timer.cancel()
         self._progress.pop((cohort.job_id, cohort.round), None)
 
-    def _abandoned(self, cohort: Cohort) -> None:
+    def _abandoned(self, cohort: LiveCohort) -> None:
         self._settle(cohort)
         self.observer.abandoned()
         self._changed(cohort)
@@ -287,7 +292,7 @@ class Coordinator:
             reason="every rank left before a verdict; the next join opens a new round",
         )
 
-    def progress(self, cohort: Cohort) -> Progress:
+    def progress(self, cohort: LiveCohort) -> Progress:
         """Cached per cohort for a fraction of the interval: 16k waiting ranks share one."""
         now = self.clock()
         state = cohort.state
@@ -315,7 +320,7 @@ class Coordinator:
     # -- uploads -----------------------------------------------------------------------
     def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes, size: int = 0) -> None:
         try:
-            cohort = self.registry.upload(ref, manifest, claimed)
+            cohort = self.store.upload(ref, manifest, claimed)
         except InvalidUpload as exc:
             self.observer.uploaded(False, size)
             self.evaluate(exc.cohort)  # every rank learns why, not only the uploader
@@ -333,7 +338,7 @@ class Coordinator:
 
     def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> None:
         try:
-            cohort = self.registry.upload_digests(ref, digests)
+            cohort = self.store.upload_digests(ref, digests)
         except InvalidUpload as exc:
             self.evaluate(exc.cohort)
             raise
@@ -341,8 +346,8 @@ class Coordinator:
         self.evaluate(cohort)
 
     # -- decisions ---------------------------------------------------------------------
-    def evaluate(self, cohort: Cohort) -> None:
-        decision = self.registry.evaluate(cohort)
+    def evaluate(self, cohort: LiveCohort) -> None:
+        decision = self.store.evaluate(cohort)
         if decision is None:
             return
         if cohort.verdict is None:
@@ -386,12 +391,12 @@ class Coordinator:
         self.observer.decided(cohort)
         self._changed(cohort)
 
-    def _poke(self, cohort: Cohort, member: Member) -> None:
+    def _poke(self, cohort: LiveCohort, member: Member) -> None:
         event = self._pokes.get(ref_of(cohort, member))
         if event is not None:
             event.set()
 
-    def _schedule(self, cohort: Cohort, label: str, at: float) -> None:
+    def _schedule(self, cohort: LiveCohort, label: str, at: float) -> None:
         """Re-evaluate the cohort at wall time `at`; one pending timer per (cohort, label)."""
         key = (cohort.job_id, cohort.round, label)
         if key in self._timers:
@@ -405,11 +410,9 @@ class Coordinator:
         self._timers[key] = asyncio.get_running_loop().call_later(delay, fire)
 
     # -- status --------------------------------------------------------------------------
-    def cohorts(self, job_id: str = "") -> list[Cohort]:
+    def cohorts(self, job_id: str = "") -> list[LiveCohort]:
         """Every cohort held (waiting and recently decided), optionally of one job."""
-        jobs = self.registry.jobs
-        selected = [jobs[job_id]] if job_id in jobs else [] if job_id else list(jobs.values())
-        return [c for job in selected for _, c in sorted(job.rounds.items())]
+        return self.store.cohorts(job_id)
 
     def summaries(self, job_id: str = "") -> list[CohortSummary]:
         now = self.clock()
@@ -418,11 +421,8 @@ class Coordinator:
         self.observer.metrics.oldest_waiting.set(oldest)
         return out
 
-    def find(self, job_id: str, round_: int = 0) -> Cohort | None:
-        job = self.registry.jobs.get(job_id)
-        if job is None:
-            return None
-        return job.current if round_ == 0 else job.rounds.get(round_)
+    def find(self, job_id: str, round_: int = 0) -> LiveCohort | None:
+        return self.store.find(job_id, round_)
 
     async def watch(self, job_id: str = "") -> AsyncIterator[CohortSummary]:
         """Every matching cohort now, then each one again whenever it changes."""
@@ -446,7 +446,7 @@ class Coordinator:
         finally:
             self._watchers.remove(entry)
 
-    def _changed(self, cohort: Cohort) -> None:
+    def _changed(self, cohort: LiveCohort) -> None:
         for dirty, event in self._watchers:
             dirty.add((cohort.job_id, cohort.round))
             event.set()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from coordinator.service.metrics import Metrics
-from coordinator.state.history import History, VerdictRow
-from coordinator.state.memory import Cohort
+from coordinator.state.base import LiveCohort, VerdictRow, VerdictStore
 
 
 class Observer:
     """Metrics and history bookkeeping, called by the service at each event."""
 
-    def __init__(self, metrics: Metrics | None = None, history: History | None = None) -> None:
+    def __init__(self, metrics: Metrics | None = None, history: VerdictStore | None = None) -> None:
         self.metrics = metrics or Metrics()
         self.history = history
 
@@ -32,7 +31,7 @@ class Observer:
         self.metrics.manifest_uploads.labels("accepted" if accepted else "rejected").inc()
         self.metrics.manifest_bytes.inc(size)
 
-    def decided(self, cohort: Cohort) -> None:
+    def decided(self, cohort: LiveCohort) -> None:
         verdict = cohort.verdict
         assert verdict is not None
         m = self.metrics

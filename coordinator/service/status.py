@@ -8,7 +8,7 @@ from typing import Any
 from coordinator.contract import ranges
 from coordinator.decision.cohort import Cause
 from coordinator.decision.formation import FormationOptions
-from coordinator.state.memory import Cohort
+from coordinator.state.base import LiveCohort
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class CohortSummary:
         return asdict(self)
 
 
-def state_of(cohort: Cohort) -> str:
+def state_of(cohort: LiveCohort) -> str:
     verdict = cohort.verdict
     if cohort.abandoned_at is not None:
         return "abandoned"
@@ -42,7 +42,7 @@ def state_of(cohort: Cohort) -> str:
     return verdict.outcome.value
 
 
-def summarize(cohort: Cohort, now: float, options: FormationOptions) -> CohortSummary:
+def summarize(cohort: LiveCohort, now: float, options: FormationOptions) -> CohortSummary:
     state = cohort.state
     verdict = cohort.verdict
     if verdict is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from coordinator.contract.diff import ManifestDiff
 from coordinator.decision.checks import Finding
 from coordinator.decision.cohort import Cause, Outcome, SignatureClass
 from coordinator.decision.report import Verdict
+from coordinator.state.base import VerdictRow, VerdictStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS verdicts (
@@ -39,21 +39,6 @@ CREATE INDEX IF NOT EXISTS verdicts_decided_at ON verdicts (decided_at);
 _COLUMNS = (
     "cohort_id, job_id, round, outcome, cause, reason, report, world_size, decided_at, members"
 )
-
-
-@dataclass(frozen=True)
-class VerdictRow:
-    cohort_id: str
-    job_id: str
-    round: int
-    outcome: str
-    cause: str
-    reason: str
-    report: str
-    world_size: int
-    decided_at: float
-    members: dict[int, str]
-    verdict: Verdict | None = None  # written; listings leave it out
 
 
 def verdict_to_json(v: Verdict) -> str:
@@ -134,7 +119,7 @@ def verdict_from_json(text: str) -> Verdict:
     )
 
 
-class History:
+class History(VerdictStore):
     """One SQLite file. Writes are small and rare (one per verdict), so they run inline."""
 
     def __init__(

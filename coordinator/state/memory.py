@@ -1,4 +1,4 @@
-"""Live jobs and their cohorts in memory: joins, departures, manifest uploads, verdicts."""
+"""The in-memory cohort store: live jobs and their rounds, joins, departures, uploads."""
 
 from __future__ import annotations
 
@@ -17,85 +17,26 @@ from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import Manifest
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
 from coordinator.decision.formation import Decision, FormationOptions, decide
-from coordinator.decision.report import Verdict, build_verdict
-from coordinator.state.asks import Asks, UploadRef
+from coordinator.decision.report import build_verdict
+from coordinator.state.asks import UploadRef
+from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinResult, LiveCohort
 
 # Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
 # verdict back; older rounds are forgotten (the history database keeps them for good).
 ROUNDS_KEPT = 4
 
 
-class InvalidUpload(InvalidArgument):
-    """An upload that does not match what its rank joined with; the cohort is refused."""
-
-    def __init__(self, message: str, cohort: Cohort) -> None:
-        super().__init__(message)
-        self.cohort = cohort
-
-
-@dataclass
-class JoinIntent:
-    """A validated join, in domain terms."""
-
-    job_id: str
-    round: int  # 0: the open round
-    member: Member
-    world_size: int
-    quiet: bool = False  # only the first progress event (JoinRequest.quiet)
-
-
-@dataclass
-class Cohort:
-    """A (job, round): its forming state, then its verdict."""
-
-    state: CohortState
-    verdict: Verdict | None = None
-    # who is asked for which upload (manifests at join, per-tensor digests on demand)
-    asks: Asks = field(default_factory=Asks)
-    last_reason: str = ""  # the decision's reason as it was last evaluated
-    last_reason_kind: str = ""  # the same with digits masked: logged when it changes
-    abandoned_at: float | None = None  # every rank left before a verdict
-
-    @property
-    def settled(self) -> bool:
-        """Decided or abandoned: the job's next join opens a new round."""
-        return self.verdict is not None or self.abandoned_at is not None
-
-    @property
-    def settled_at(self) -> float | None:
-        if self.verdict is not None:
-            return self.verdict.decided_at
-        return self.abandoned_at
-
-    @property
-    def job_id(self) -> str:
-        return self.state.job_id
-
-    @property
-    def round(self) -> int:
-        return self.state.round
-
-
 @dataclass
 class Job:
     job_id: str
-    current: Cohort
-    rounds: dict[int, Cohort] = field(default_factory=dict)
+    current: LiveCohort
+    rounds: dict[int, LiveCohort] = field(default_factory=dict)
     # incarnation -> round it took part in, for decided rounds still kept
     incarnations: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class JoinResult:
-    cohort: Cohort
-    member: Member
-    replayed: bool = False  # a decided round's verdict handed back to the same incarnation
-    opened: bool = False  # this join opened the cohort (a new round)
-    intruder: bool = False  # of another launch, for a rank held: refuses the cohort
-
-
-class Registry:
-    """Every job the coordinator holds. Not thread-safe: one event loop owns it."""
+class MemoryStore(CohortStore):
+    """Every job the coordinator holds, in memory. Not thread-safe: one event loop owns it."""
 
     def __init__(
         self,
@@ -208,8 +149,8 @@ class Registry:
             f"{open_round}"
         )
 
-    def _new_cohort(self, intent: JoinIntent, round_: int, now: float) -> Cohort:
-        return Cohort(CohortState(intent.job_id, round_, intent.world_size, first_join_at=now))
+    def _new_cohort(self, intent: JoinIntent, round_: int, now: float) -> LiveCohort:
+        return LiveCohort(CohortState(intent.job_id, round_, intent.world_size, first_join_at=now))
 
     def _forget_old_rounds(self, job: Job) -> None:
         for old in sorted(job.rounds)[:-ROUNDS_KEPT]:
@@ -218,7 +159,7 @@ class Registry:
                 job.incarnations.pop(m.incarnation, None)
 
     # -- departures --------------------------------------------------------------------
-    def leave(self, cohort: Cohort, member: Member) -> list[Member]:
+    def leave(self, cohort: LiveCohort, member: Member) -> list[Member]:
         """A rank's call dropped before the verdict: free its rank for a restarted process.
 
         Returns the members now asked for the uploads the one that left had been asked for
@@ -231,7 +172,7 @@ class Registry:
         cohort.state.remove(member, self.clock())
         return cohort.asks.hand_over(cohort.state, member)
 
-    def abandon(self, cohort: Cohort) -> bool:
+    def abandon(self, cohort: LiveCohort) -> bool:
         """A waiting cohort whose every rank has left is abandoned at once: its slot is
         freed and the job's next join opens a fresh round (any world size), instead of
         a relaunch being refused until the deadline, then counted as a refusal."""
@@ -242,7 +183,7 @@ class Registry:
         return True
 
     # -- uploads -----------------------------------------------------------------------
-    def _member(self, ref: UploadRef, what: str) -> tuple[Cohort, Member]:
+    def _member(self, ref: UploadRef, what: str) -> tuple[LiveCohort, Member]:
         """The cohort and member an upload of `what` comes from, or the error saying why not."""
         job = self.jobs.get(ref.job_id)
         cohort = job.rounds.get(ref.round) if job else None
@@ -258,12 +199,14 @@ class Registry:
             )
         return cohort, member
 
-    def _invalid(self, cohort: Cohort, kind: UploadKind, key: bytes, message: str) -> InvalidUpload:
+    def _invalid(
+        self, cohort: LiveCohort, kind: UploadKind, key: bytes, message: str
+    ) -> InvalidUpload:
         cohort.state.invalid_uploads.setdefault((kind, key), message)
         cohort.asks.done(kind, key)
         return InvalidUpload(message, cohort)
 
-    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> Cohort:
+    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> LiveCohort:
         cohort, member = self._member(ref, "a manifest")
         rank = ref.rank
         if claimed != member.signature:
@@ -290,7 +233,7 @@ class Registry:
         return cohort
 
     # -- decisions ---------------------------------------------------------------------
-    def evaluate(self, cohort: Cohort) -> Decision | None:
+    def evaluate(self, cohort: LiveCohort) -> Decision | None:
         """Run the formation decision; on FORMED or REFUSED, record the verdict."""
         if cohort.settled:
             return None
@@ -309,7 +252,7 @@ class Registry:
             job.incarnations[m.incarnation] = cohort.round
         return decision
 
-    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> Cohort:
+    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> LiveCohort:
         cohort, member = self._member(ref, "digests")
         rank = ref.rank
         if not member.weights_digest:
@@ -343,6 +286,20 @@ class Registry:
         cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
         cohort.asks.done(UploadKind.DIGESTS, member.weights_digest)
         return cohort
+
+    def holds(self, job_id: str) -> bool:
+        return job_id in self.jobs
+
+    def find(self, job_id: str, round_: int = 0) -> LiveCohort | None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        return job.current if round_ == 0 else job.rounds.get(round_)
+
+    def cohorts(self, job_id: str = "") -> list[LiveCohort]:
+        jobs = self.jobs
+        selected = [jobs[job_id]] if job_id in jobs else [] if job_id else list(jobs.values())
+        return [c for job in selected for _, c in sorted(job.rounds.items())]
 
     def evict(self, older_than_s: float) -> int:
         """Forget jobs decided longer ago than `older_than_s` (history keeps their verdicts),

@@ -1,0 +1,163 @@
+"""The state interface: where live cohorts are held, and where verdicts are kept.
+
+The service talks to a `CohortStore` and a `VerdictStore` only. Today they are in memory
+(`memory.MemoryStore`) and in SQLite (`history.History`); a durable or replicated store for a
+highly available coordinator would implement the same two interfaces.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from coordinator.contract.errors import InvalidArgument
+from coordinator.contract.manifest import Manifest
+from coordinator.decision.cohort import CohortState, Member
+from coordinator.decision.formation import Decision
+from coordinator.decision.report import Verdict
+from coordinator.state.asks import Asks, UploadRef
+
+
+class InvalidUpload(InvalidArgument):
+    """An upload that does not match what its rank joined with; the cohort is refused."""
+
+    def __init__(self, message: str, cohort: LiveCohort) -> None:
+        super().__init__(message)
+        self.cohort = cohort
+
+
+@dataclass
+class JoinIntent:
+    """A validated join, in domain terms."""
+
+    job_id: str
+    round: int  # 0: the open round
+    member: Member
+    world_size: int
+    quiet: bool = False  # only the first progress event (JoinRequest.quiet)
+
+
+@dataclass
+class LiveCohort:
+    """A (job, round): its forming state, then its verdict."""
+
+    state: CohortState
+    verdict: Verdict | None = None
+    # who is asked for which upload (manifests at join, per-tensor digests on demand)
+    asks: Asks = field(default_factory=Asks)
+    last_reason: str = ""  # the decision's reason as it was last evaluated
+    last_reason_kind: str = ""  # the same with digits masked: logged when it changes
+    abandoned_at: float | None = None  # every rank left before a verdict
+
+    @property
+    def settled(self) -> bool:
+        """Decided or abandoned: the job's next join opens a new round."""
+        return self.verdict is not None or self.abandoned_at is not None
+
+    @property
+    def settled_at(self) -> float | None:
+        if self.verdict is not None:
+            return self.verdict.decided_at
+        return self.abandoned_at
+
+    @property
+    def job_id(self) -> str:
+        return self.state.job_id
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+
+@dataclass
+class JoinResult:
+    cohort: LiveCohort
+    member: Member
+    replayed: bool = False  # a decided round's verdict handed back to the same incarnation
+    opened: bool = False  # this join opened the cohort (a new round)
+    intruder: bool = False  # of another launch, for a rank held: refuses the cohort
+
+
+@dataclass(frozen=True)
+class VerdictRow:
+    cohort_id: str
+    job_id: str
+    round: int
+    outcome: str
+    cause: str
+    reason: str
+    report: str
+    world_size: int
+    decided_at: float
+    members: dict[int, str]
+    verdict: Verdict | None = None  # written; listings leave it out
+
+
+class CohortStore(abc.ABC):
+    """Live cohorts: joins, departures, uploads and decisions, one round at a time per job."""
+
+    waiting_cohorts: int
+    waiting_ranks: int
+
+    @abc.abstractmethod
+    def join(self, intent: JoinIntent) -> JoinResult:
+        """Admit a rank to its job's open round (opening one), or say why not."""
+
+    @abc.abstractmethod
+    def leave(self, cohort: LiveCohort, member: Member) -> list[Member]:
+        """A rank left before the verdict; returns the members newly asked for uploads."""
+
+    @abc.abstractmethod
+    def abandon(self, cohort: LiveCohort) -> bool:
+        """Abandon a waiting round that every rank left; False if it is not one."""
+
+    @abc.abstractmethod
+    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> LiveCohort:
+        """A manifest upload, checked against its signature (InvalidUpload if it lies)."""
+
+    @abc.abstractmethod
+    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> LiveCohort:
+        """Per-tensor digests, checked against the weights digest (InvalidUpload if not)."""
+
+    @abc.abstractmethod
+    def evaluate(self, cohort: LiveCohort) -> Decision | None:
+        """Decide; a FORMED or REFUSED decision becomes the cohort's verdict."""
+
+    @abc.abstractmethod
+    def holds(self, job_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    def find(self, job_id: str, round_: int = 0) -> LiveCohort | None:
+        """A round of a job (0: its current one)."""
+
+    @abc.abstractmethod
+    def cohorts(self, job_id: str = "") -> list[LiveCohort]:
+        """Every cohort held (waiting and recently decided), optionally of one job."""
+
+    @abc.abstractmethod
+    def evict(self, older_than_s: float) -> int:
+        """Forget jobs settled longer ago than `older_than_s`; returns how many went."""
+
+
+class VerdictStore(abc.ABC):
+    """Verdicts kept after their cohort leaves memory, across restarts."""
+
+    @abc.abstractmethod
+    def record(self, row: VerdictRow) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, job_id: str, round_: int = 0) -> VerdictRow | None:
+        """The verdict of (job, round); round 0: the job's latest."""
+
+    @abc.abstractmethod
+    def recent(self, limit: int = 20, job_id: str = "") -> list[VerdictRow]: ...
+
+    @abc.abstractmethod
+    def verdict_of(self, job_id: str, incarnation: str, rounds: int = 4) -> Verdict | None:
+        """The verdict a rank's incarnation received in one of the job's recent rounds."""
+
+    @abc.abstractmethod
+    def last_round(self, job_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
