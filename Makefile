@@ -33,13 +33,14 @@ system-deps:
 	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
 	  --no-install-recommends chromium prometheus
 
-## test: everything CI runs: generated-code check, ruff, mypy, pytest
+## test: everything CI runs: generated-code check, ruff, import contracts, mypy, pytest
 test: venv system-deps proto-check lint typecheck
 	$(PY) -m pytest -q
 
 lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 typecheck: venv
 	$(VENV)/bin/mypy

@@ -139,6 +139,20 @@ def test_not_a_module_is_a_type_error() -> None:
         agent.manifest(torch.zeros(1))  # type: ignore[arg-type]
 
 
+def test_the_agent_client_loads_no_decision_state_or_service() -> None:
+    # A rank loads the contract and the codec, never the coordinator's core.
+    code = (
+        "import sys, agent, agent.client;"
+        "core = ('coordinator.decision', 'coordinator.state', 'coordinator.service',"
+        " 'coordinator.edge', 'coordinator.cli', 'numpy');"
+        "print(','.join(sorted(m for m in sys.modules if m.startswith(core))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""
+
+
 def test_importing_agent_imports_nothing_heavy() -> None:
     code = (
         "import sys, agent;"

@@ -26,8 +26,8 @@ from grpc_health.v1._async import HealthServicer
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
+from coordinator.edge.plumbing import add_service
 from coordinator.edge.ports import bind
-from coordinator.edge.servicer import add_service
 
 log = structlog.get_logger("cohortgate.relay")
 

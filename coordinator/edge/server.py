@@ -17,8 +17,9 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.edge.auth import Auth, TokenStore
 from coordinator.edge.config import ServeConfig
 from coordinator.edge.http import MetricsServer
+from coordinator.edge.plumbing import add_service
 from coordinator.edge.ports import BindError, bind, check_free
-from coordinator.edge.servicer import CohortServicer, StatusServicer, add_service
+from coordinator.edge.servicer import CohortServicer, StatusServicer
 from coordinator.service.core import Coordinator
 from coordinator.service.observers import Observer
 from coordinator.state.history import History
