@@ -287,24 +287,11 @@ def _stream(
             verdict: pb.Verdict = event.verdict
             return verdict
         if kind == "manifest_request":
-            upload = pb.UploadManifestRequest(
-                job_id=identity.job_id,
-                round=event.manifest_request.round,
-                rank=identity.rank,
-                incarnation=identity.incarnation,
-                signature=manifest.signature(),
-                manifest=wire.manifest_to_pb(manifest),
-            )
+            upload = wire.manifest_answer(request, event.manifest_request.round, manifest)
             _answer(stub.UploadManifest, upload, "manifest", identity, timeout, metadata)
         elif kind == "digest_request":
             # this rank's weights differ from another replica's: name the tensors
-            answer = pb.UploadDigestsRequest(
-                job_id=identity.job_id,
-                round=event.digest_request.round,
-                rank=identity.rank,
-                incarnation=identity.incarnation,
-                digests=list(digests or ()),
-            )
+            answer = wire.digests_answer(request, event.digest_request.round, digests or ())
             _answer(stub.UploadDigests, answer, "digests", identity, timeout, metadata)
         elif kind == "progress":
             progress = event.progress

@@ -61,6 +61,25 @@ def manifest_for(entries: int, variant: int) -> Any:
 
 
 # -- cohortgate ------------------------------------------------------------------------------
+def _join_request(job: str, r: int, world: int, m: Any) -> Any:
+    from coordinator.api.v1 import cohort_pb2 as pb
+    from coordinator.codec import wire
+
+    return pb.JoinRequest(
+        protocol_version=wire.PROTOCOL_VERSION,
+        job_id=job,
+        rank=r,
+        world_size=world,
+        host=f"node{r // 8}",
+        pid=r,
+        incarnation=uuid.uuid4().hex,
+        signature=m.signature(),
+        manifest_entries=len(m),
+        init_method="tcp://127.0.0.1:29500" if r == 0 else "",
+        quiet=r != 0,  # as the agent does
+    )
+
+
 def _client_proc(
     addr: str,
     job: str,
@@ -92,25 +111,11 @@ def _client_proc(
         stats: dict[str, Any] = {"sent": [], "verdict": [], "bytes": 0, "uploads": 0}
         stats["outcomes"] = {}
 
-        def request(r: int) -> pb.JoinRequest:
-            m = manifests[r * signatures // world]
-            return pb.JoinRequest(
-                protocol_version=wire.PROTOCOL_VERSION,
-                job_id=job,
-                rank=r,
-                world_size=world,
-                host=f"node{r // 8}",
-                pid=r,
-                incarnation=uuid.uuid4().hex,
-                signature=m.signature(),
-                manifest_entries=len(m),
-                init_method="tcp://127.0.0.1:29500" if r == 0 else "",
-                quiet=r != 0,  # as the agent does
-            )
-
         async def member(g: int, ranks: list[int]) -> None:
             stub = stubs[g % len(stubs)]
-            reqs = {r: request(r) for r in ranks}
+            reqs = {
+                r: _join_request(job, r, world, manifests[r * signatures // world]) for r in ranks
+            }
             if len(ranks) == 1 and not relay:
                 call = stub.Join(reqs[ranks[0]], timeout=600)
                 stats["bytes"] += reqs[ranks[0]].ByteSize()
@@ -125,14 +130,7 @@ def _client_proc(
                 if kind == "manifest_request":
                     r = event.manifest_request.rank
                     m = manifests[r * signatures // world]
-                    up = pb.UploadManifestRequest(
-                        job_id=job,
-                        round=event.manifest_request.round,
-                        rank=r,
-                        incarnation=reqs[r].incarnation,
-                        signature=m.signature(),
-                        manifest=wire.manifest_to_pb(m),
-                    )
+                    up = wire.manifest_answer(reqs[r], event.manifest_request.round, m)
                     stats["bytes"] += up.ByteSize()
                     stats["uploads"] += 1
                     await stub.UploadManifest(up, timeout=60)
@@ -419,6 +417,48 @@ def run_lighthouse(n: int, procs: int) -> dict[str, Any]:
     return {**row, "coordinator_cpu_s": cpu1 - cpu0, "coordinator_peak_rss_mib": hwm / 2**20}
 
 
+def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's row: the first run's fields, timings as the median over the runs."""
+    row = dict(results[0])
+    for key in (
+        "first_join_to_done_s",
+        "last_join_to_done_s",
+        "decided_to_done_s",
+        "coordinator_cpu_s",
+        "coordinator_peak_rss_mib",
+    ):
+        if key in row:
+            row[key] = statistics.median(r[key] for r in results)
+    row["runs"] = results
+    return row
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'system':<20} {'ranks':>7} {'first->done':>12} {'last->done':>11} {'decided->done':>14} "
+        f"{'server CPU':>10} {'peak RSS':>9} {'bytes':>12} {'uploads':>8}  outcomes"
+    )
+    for r in rows:
+        line = (
+            f"{r['system']:<20} {r['ranks']:>7} {r['first_join_to_done_s']:>11.3f}s "
+            f"{r['last_join_to_done_s']:>10.3f}s "
+            + (f"{r['decided_to_done_s']:>13.3f}s " if "decided_to_done_s" in r else f"{'':>15}")
+        )
+        if "coordinator_cpu_s" in r:
+            line += f"{r['coordinator_cpu_s']:>9.2f}s {r['coordinator_peak_rss_mib']:>6.0f}MiB "
+        if "payload_bytes" in r:
+            line += f"{r['payload_bytes']:>12} {r['manifests_uploaded']:>8}  {r['outcomes']}"
+        print(line)
+    ours = {r["ranks"]: r for r in rows if r["system"].startswith("cohortgate")}
+    for r in rows:
+        if r["system"] in ("tcpstore", "lighthouse"):
+            ratio = ours[r["ranks"]]["first_join_to_done_s"] / r["first_join_to_done_s"]
+            print(
+                f"{r['ranks']} ranks: cohortgate / {r['system']} (first join to done, medians) "
+                f"= {ratio:.2f}"
+            )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,4096")
@@ -452,42 +492,8 @@ def main() -> int:
                 runs["tcpstore"].append(run_tcpstore(n, args.procs))
             if "lighthouse" in peers:
                 runs["lighthouse"].append(run_lighthouse(n, args.procs))
-        for results in runs.values():
-            row = dict(results[0])
-            for key in (
-                "first_join_to_done_s",
-                "last_join_to_done_s",
-                "decided_to_done_s",
-                "coordinator_cpu_s",
-                "coordinator_peak_rss_mib",
-            ):
-                if key in row:
-                    row[key] = statistics.median(r[key] for r in results)
-            row["runs"] = results
-            rows.append(row)
-    print(
-        f"{'system':<20} {'ranks':>7} {'first->done':>12} {'last->done':>11} {'decided->done':>14} "
-        f"{'server CPU':>10} {'peak RSS':>9} {'bytes':>12} {'uploads':>8}  outcomes"
-    )
-    for r in rows:
-        line = (
-            f"{r['system']:<20} {r['ranks']:>7} {r['first_join_to_done_s']:>11.3f}s "
-            f"{r['last_join_to_done_s']:>10.3f}s "
-            + (f"{r['decided_to_done_s']:>13.3f}s " if "decided_to_done_s" in r else f"{'':>15}")
-        )
-        if "coordinator_cpu_s" in r:
-            line += f"{r['coordinator_cpu_s']:>9.2f}s {r['coordinator_peak_rss_mib']:>6.0f}MiB "
-        if "payload_bytes" in r:
-            line += f"{r['payload_bytes']:>12} {r['manifests_uploaded']:>8}  {r['outcomes']}"
-        print(line)
-    ours = {r["ranks"]: r for r in rows if r["system"].startswith("cohortgate")}
-    for r in rows:
-        if r["system"] in ("tcpstore", "lighthouse"):
-            ratio = ours[r["ranks"]]["first_join_to_done_s"] / r["first_join_to_done_s"]
-            print(
-                f"{r['ranks']} ranks: cohortgate / {r['system']} (first join to done, medians) "
-                f"= {ratio:.2f}"
-            )
+        rows += [_medians(results) for results in runs.values()]
+    _print_table(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(

@@ -121,14 +121,7 @@ def run_rank(
                     sent = upload or manifest
                     try:
                         stub.UploadManifest(
-                            pb.UploadManifestRequest(
-                                job_id=request.job_id,
-                                round=event.manifest_request.round,
-                                rank=request.rank,
-                                incarnation=request.incarnation,
-                                signature=request.signature,
-                                manifest=wire.manifest_to_pb(sent),
-                            ),
+                            wire.manifest_answer(request, event.manifest_request.round, sent),
                             timeout=timeout,
                         )
                     except grpc.RpcError as exc:  # as the agent does: keep waiting

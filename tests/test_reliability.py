@@ -175,14 +175,7 @@ class ChaosRank:
             kind = event.WhichOneof("event")
             if kind == "manifest_request":
                 self.stub.UploadManifest(
-                    pb.UploadManifestRequest(
-                        job_id=self.request.job_id,
-                        round=event.manifest_request.round,
-                        rank=self.request.rank,
-                        incarnation=self.request.incarnation,
-                        signature=self.m.signature(),
-                        manifest=wire.manifest_to_pb(self.m),
-                    ),
+                    wire.manifest_answer(self.request, event.manifest_request.round, self.m),
                     timeout=30,
                 )
             elif kind == "verdict":

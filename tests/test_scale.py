@@ -69,14 +69,7 @@ def test_a_whole_job_joining_at_once_reaches_the_coordinator(tmp_path: Path) -> 
                         kind = event.WhichOneof("event")
                         if kind == "manifest_request":
                             await stub.UploadManifest(
-                                pb.UploadManifestRequest(
-                                    job_id="burst",
-                                    round=event.manifest_request.round,
-                                    rank=r,
-                                    incarnation=req.incarnation,
-                                    signature=req.signature,
-                                    manifest=wire.manifest_to_pb(m),
-                                ),
+                                wire.manifest_answer(req, event.manifest_request.round, m),
                                 timeout=60,
                             )
                         elif kind == "verdict":
@@ -123,13 +116,8 @@ def join_group(
                 if event.WhichOneof("event") == "manifest_request":
                     asked = by_rank[event.manifest_request.rank]
                     stub.UploadManifest(
-                        pb.UploadManifestRequest(
-                            job_id=asked.job_id,
-                            round=event.manifest_request.round,
-                            rank=asked.rank,
-                            incarnation=asked.incarnation,
-                            signature=asked.signature,
-                            manifest=wire.manifest_to_pb((uploads or {})[asked.rank]),  # type: ignore[arg-type]
+                        wire.manifest_answer(
+                            asked, event.manifest_request.round, (uploads or {})[asked.rank]
                         ),
                         timeout=30,
                     )

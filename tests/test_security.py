@@ -112,14 +112,7 @@ def join_once(
             from coordinator.codec import wire
 
             stub.UploadManifest(
-                pb.UploadManifestRequest(
-                    job_id=job,
-                    round=event.manifest_request.round,
-                    rank=0,
-                    incarnation=request.incarnation,
-                    signature=m.signature(),
-                    manifest=wire.manifest_to_pb(m),
-                ),
+                wire.manifest_answer(request, event.manifest_request.round, m),
                 timeout=10,
                 metadata=metadata,
             )

@@ -11,10 +11,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from coordinator.cli.launch import LaunchError, check_script, job_id, parse_torchrun
+from coordinator.cli.launch import (
+    JobId,
+    LaunchError,
+    TorchrunArgs,
+    check_script,
+    job_id,
+    parse_torchrun,
+)
 from coordinator.cli.spawn import spawn
 from coordinator.contract.addr import split_host_port
 
@@ -102,87 +110,76 @@ def _end(child: subprocess.Popen[bytes] | None) -> None:
         child.wait()
 
 
-def cmd_run(argv: Sequence[str]) -> int:
-    argv = list(argv)
+@dataclass
+class _Own:
+    """`cohortgate run`'s own options, taken off the front of the command line."""
+
     coordinator: str | None = None
     deadline: str | None = None
-    relay = True
+    relay: bool = True
+    help: bool = False
+
+
+def _own_options(argv: list[str]) -> _Own:
+    own = _Own()
     while argv and argv[0].partition("=")[0] in OWN_OPTIONS:
         flag, eq, inline = argv.pop(0).partition("=")
         if flag in ("-h", "--help"):
-            print(RUN_USAGE)
-            return 0
+            own.help = True
+            return own
         if flag == "--no-relay":
-            relay = False
+            own.relay = False
             continue
         if not eq and not argv:
-            return _fail(f"{flag} needs a value\n\n{RUN_USAGE}")
+            raise LaunchError(f"{flag} needs a value\n\n{RUN_USAGE}")
         value = inline if eq else argv.pop(0)
         if flag == "--coordinator":
-            coordinator = value
+            split_host_port(value)
+            own.coordinator = value
+        elif _positive(value):
+            own.deadline = value
         else:
-            deadline = value
+            raise LaunchError(f"--join-deadline {value!r} is not a positive number of seconds")
+    return own
+
+
+def _checked_launch(own: _Own, argv: list[str]) -> tuple[TorchrunArgs, JobId]:
+    """torchrun's command line parsed and checked, and the job id it implies."""
+    torchrun_args = parse_torchrun(argv)
+    check_script(torchrun_args)
+    job = job_id(torchrun_args)
+    if own.coordinator is None and torchrun_args.max_nodes() > 1:
+        raise LaunchError(
+            "a multi-node launch needs --coordinator HOST:PORT, a coordinator every node "
+            "reaches (start one with `cohortgate serve --listen 0.0.0.0:7070 "
+            "--allow-remote`): the one `cohortgate run` starts listens on loopback only"
+        )
+    return torchrun_args, job
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    argv = list(argv)
     try:
-        if coordinator is not None:
-            split_host_port(coordinator)
-        if deadline is not None and not _positive(deadline):
-            raise LaunchError(f"--join-deadline {deadline!r} is not a positive number of seconds")
-        torchrun_args = parse_torchrun(argv)
-        check_script(torchrun_args)
-        job = job_id(torchrun_args)
-        if coordinator is None and torchrun_args.max_nodes() > 1:
-            raise LaunchError(
-                "a multi-node launch needs --coordinator HOST:PORT, a coordinator every node "
-                "reaches (start one with `cohortgate serve --listen 0.0.0.0:7070 "
-                "--allow-remote`): the one `cohortgate run` starts listens on loopback only"
-            )
+        own = _own_options(argv)
+        if own.help:
+            print(RUN_USAGE)
+            return 0
+        torchrun_args, job = _checked_launch(own, argv)
     except (LaunchError, ValueError) as exc:
         return _fail(f"{exc}\n(see cohortgate run --help)")
-
     env = dict(os.environ)
     env["COHORTGATE_JOB"] = job.value
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    server: subprocess.Popen[bytes] | None = None
-    relay_proc: subprocess.Popen[bytes] | None = None
+    children: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="cohortgate-") as tmp:
         try:
-            if coordinator is None:
-                flags = ["--metrics-listen", "127.0.0.1:0", "--log-format", "console"]
-                if deadline is not None:
-                    flags += ["--join-deadline", deadline]
-                server, port = spawn(
-                    Path(tmp) / "port",
-                    flags,
-                    stdout=sys.stderr,
-                    new_session=True,
-                    preexec=_die_with_parent,
-                )
-                coordinator = f"127.0.0.1:{port}"
-            elif relay:
-                local = torchrun_args.value("nproc_per_node")
-                relay_proc, relay_port = spawn(
-                    Path(tmp) / "relay-port",
-                    [
-                        "--upstream",
-                        coordinator,
-                        "--log-format",
-                        "console",
-                        *(["--local-ranks", local] if local and local.isdigit() else []),
-                    ],
-                    stdout=sys.stderr,
-                    command="relay",
-                    new_session=True,
-                    preexec=_die_with_parent,
-                )
-                print(f"[cohortgate] relay 127.0.0.1:{relay_port}", file=sys.stderr, flush=True)
-                coordinator = f"127.0.0.1:{relay_port}"
-                # The relay speaks TLS upstream; the workers reach it on loopback in clear.
-                for name in [k for k in env if k.startswith("COHORTGATE_TLS")]:
-                    del env[name]
-            env["COHORTGATE_ADDR"] = coordinator
+            env["COHORTGATE_ADDR"] = _endpoint(own, torchrun_args, Path(tmp), env, children)
             generated = " (generated: pass --rdzv-id to choose it)" if job.generated else ""
-            print(f"[cohortgate] job {job.value}{generated}, coordinator {coordinator}", flush=True)
+            print(
+                f"[cohortgate] job {job.value}{generated}, coordinator {env['COHORTGATE_ADDR']}",
+                flush=True,
+            )
             if stop.signum:
                 return 128 + stop.signum
             torchrun = subprocess.Popen(
@@ -196,10 +193,53 @@ def cmd_run(argv: Sequence[str]) -> int:
         except RuntimeError as exc:
             return _fail(str(exc), 1)
         finally:
-            for child in (relay_proc, server):
+            for child in reversed(children):
                 _end(child)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _endpoint(
+    own: _Own,
+    torchrun_args: TorchrunArgs,
+    tmp: Path,
+    env: dict[str, str],
+    children: list[subprocess.Popen[bytes]],
+) -> str:
+    """The address the workers join: a coordinator started here (single node), a relay to
+    the given coordinator (one per node), or that coordinator itself (--no-relay)."""
+    if own.coordinator is None:
+        flags = ["--metrics-listen", "127.0.0.1:0", "--log-format", "console"]
+        if own.deadline is not None:
+            flags += ["--join-deadline", own.deadline]
+        server, port = spawn(
+            tmp / "port", flags, stdout=sys.stderr, new_session=True, preexec=_die_with_parent
+        )
+        children.append(server)
+        return f"127.0.0.1:{port}"
+    if not own.relay:
+        return own.coordinator
+    local = torchrun_args.value("nproc_per_node")
+    relay, relay_port = spawn(
+        tmp / "relay-port",
+        [
+            "--upstream",
+            own.coordinator,
+            "--log-format",
+            "console",
+            *(["--local-ranks", local] if local and local.isdigit() else []),
+        ],
+        stdout=sys.stderr,
+        command="relay",
+        new_session=True,
+        preexec=_die_with_parent,
+    )
+    children.append(relay)
+    print(f"[cohortgate] relay 127.0.0.1:{relay_port}", file=sys.stderr, flush=True)
+    # The relay speaks TLS upstream; the workers reach it on loopback in clear.
+    for name in [k for k in env if k.startswith("COHORTGATE_TLS")]:
+        del env[name]
+    return f"127.0.0.1:{relay_port}"
 
 
 def _positive(text: str) -> bool:

@@ -195,3 +195,32 @@ STATE_TO_PB = {
     "abandoned": pb.COHORT_STATE_ABANDONED,
 }
 STATE_NAMES = {v: k for k, v in STATE_TO_PB.items()}
+
+
+# -- answering asks -------------------------------------------------------------------
+def manifest_answer(
+    join: pb.JoinRequest, round_: int, manifest: Manifest
+) -> pb.UploadManifestRequest:
+    """The upload that answers a manifest request (in round `round_`) for the rank that
+    joined with `join`: its manifest, under the signature it joined with."""
+    return pb.UploadManifestRequest(
+        job_id=join.job_id,
+        round=round_,
+        rank=join.rank,
+        incarnation=join.incarnation,
+        signature=join.signature,
+        manifest=manifest_to_pb(manifest),
+    )
+
+
+def digests_answer(
+    join: pb.JoinRequest, round_: int, digests: Sequence[bytes]
+) -> pb.UploadDigestsRequest:
+    """The upload that answers a digest request: one digest per manifest entry, in order."""
+    return pb.UploadDigestsRequest(
+        job_id=join.job_id,
+        round=round_,
+        rank=join.rank,
+        incarnation=join.incarnation,
+        digests=list(digests),
+    )

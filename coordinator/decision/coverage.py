@@ -219,14 +219,13 @@ def _tile(
     for p in pieces:
         slabs.setdefault((p.offset[dim], p.length[dim]), []).append(p)
     intervals = sorted(slabs)
-    problems: list[CoverageProblem] = []
     # Slabs along `dim` must not overlap one another...
-    for (start_a, len_a), (start_b, _) in itertools.pairwise(intervals):
-        if start_b < start_a + len_a:
-            if len(slabs) > PAIRWISE_CAP:
-                return [_unverifiable(tensor, pieces)]
-            return _pairwise(tensor, pieces)
+    if any(b[0] < a[0] + a[1] for a, b in itertools.pairwise(intervals)):
+        if len(slabs) > PAIRWISE_CAP:
+            return [_unverifiable(tensor, pieces)]
+        return _pairwise(tensor, pieces)
     # ...and must leave no gap, and each must tile the remaining dimensions.
+    problems: list[CoverageProblem] = []
     cursor = 0
     for start, length in intervals:
         if start > cursor:

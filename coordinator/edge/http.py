@@ -8,8 +8,9 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -161,47 +162,68 @@ class MetricsServer:
         self._on_loop(self.coordinator.summaries)
 
 
+@dataclass(frozen=True)
+class _Sources:
+    """What the HTTP threads read: each call hops onto the coordinator's loop."""
+
+    take: Callable[[], dict[str, Any]]
+    refresh_gauges: Callable[[], None]
+    coordinator: Coordinator
+    auth: Auth
+
+
+class _StatusHandler(BaseHTTPRequestHandler):
+    sources: ClassVar[_Sources]
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in ("/", "/status", "/status.json") and not self._admin():
+            return
+        src = self.sources
+        if path == "/metrics":
+            src.refresh_gauges()
+            registry = src.coordinator.observer.metrics.registry
+            self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+        elif path in ("/", "/status"):
+            self._send(200, "text/html; charset=utf-8", render_page(src.take()).encode())
+        elif path == "/status.json":
+            self._send(200, "application/json", json.dumps(src.take(), indent=1).encode())
+        elif path == "/healthz":
+            self._send(200, "text/plain", b"ok\n")
+        else:
+            self._send(404, "text/plain", b"not found: try /status, /status.json, /metrics\n")
+
+    def _admin(self) -> bool:
+        """Job names and refusal reports: only for an admin token once tokens are on."""
+        auth = self.sources.auth
+        if not auth.enabled:
+            return True
+        try:
+            header = self.headers.get("Authorization", "")
+            if not auth.grant([("authorization", header)] if header else []).admin:
+                raise PermissionDenied("the status page needs an admin token")
+        except CohortgateError as exc:
+            self._send(401, "text/plain", f"{exc}\n".encode())
+            return False
+        return True
+
+    def _send(self, code: int, kind: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes every 15 s would drown the decision log
+
+
 def _handler(
     take: Callable[[], dict[str, Any]],
     refresh_gauges: Callable[[], None],
     coordinator: Coordinator,
     auth: Auth,
 ) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path in ("/", "/status", "/status.json") and auth.enabled:
-                # Job names and refusal reports: only for an admin token once tokens are on.
-                try:
-                    header = self.headers.get("Authorization", "")
-                    if not auth.grant([("authorization", header)] if header else []).admin:
-                        raise PermissionDenied("the status page needs an admin token")
-                except CohortgateError as exc:
-                    self._send(401, "text/plain", f"{exc}\n".encode())
-                    return
-            if path == "/metrics":
-                refresh_gauges()
-                self._send(
-                    200, CONTENT_TYPE_LATEST, generate_latest(coordinator.observer.metrics.registry)
-                )
-            elif path in ("/", "/status"):
-                self._send(200, "text/html; charset=utf-8", render_page(take()).encode())
-            elif path == "/status.json":
-                self._send(200, "application/json", json.dumps(take(), indent=1).encode())
-            elif path == "/healthz":
-                self._send(200, "text/plain", b"ok\n")
-            else:
-                self._send(404, "text/plain", b"not found: try /status, /status.json, /metrics\n")
-
-        def _send(self, code: int, kind: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # scrapes every 15 s would drown the decision log
-
-    return Handler
+    sources = _Sources(take, refresh_gauges, coordinator, auth)
+    return type("Handler", (_StatusHandler,), {"sources": sources})

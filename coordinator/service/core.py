@@ -211,22 +211,10 @@ class Coordinator:
                 yield cohort.verdict
                 return
             held[:] = [(k, m) for k, m in held if self._pokes.get(k) is poke]
-            if not held:
-                ranks = ",".join(str(i.member.rank) for i in intents)
-                raise FailedPrecondition(
-                    f"rank(s) {ranks} joined again on another call; this call is superseded"
-                )
-            if not alive():
+            if not self._still_waiting(held, intents, alive):
                 return  # the call is gone: the caller's `finally` frees the ranks
-            if self._closing:
-                raise Unavailable(
-                    "the coordinator is shutting down; the agent will re-join its successor"
-                )
-            for ref, m in held:
-                for ask in cohort.asks.of(m):
-                    if (ask.kind, m.rank) not in told:
-                        told.add((ask.kind, m.rank))
-                        yield UploadAsk(ask.kind, ask.key, ref)
+            for ask in self._new_asks(cohort, held, told):
+                yield ask
             now = self.clock()
             if now - last_progress >= self.progress_interval_s and (not quiet or last_progress < 0):
                 last_progress = now
@@ -243,6 +231,41 @@ class Coordinator:
             if timer is not None:
                 timer.cancel()
             poke.clear()
+
+    @staticmethod
+    def _new_asks(
+        cohort: LiveCohort,
+        held: list[tuple[UploadRef, Member]],
+        told: set[tuple[UploadKind, int]],
+    ) -> list[UploadAsk]:
+        """The asks this call's members hold that it has not passed on yet."""
+        out = []
+        for ref, m in held:
+            for ask in cohort.asks.of(m):
+                if (ask.kind, m.rank) not in told:
+                    told.add((ask.kind, m.rank))
+                    out.append(UploadAsk(ask.kind, ask.key, ref))
+        return out
+
+    def _still_waiting(
+        self,
+        held: list[tuple[UploadRef, Member]],
+        intents: list[JoinIntent],
+        alive: Callable[[], bool],
+    ) -> bool:
+        """False when the call is gone; raises when it must end with an error."""
+        if not held:
+            ranks = ",".join(str(i.member.rank) for i in intents)
+            raise FailedPrecondition(
+                f"rank(s) {ranks} joined again on another call; this call is superseded"
+            )
+        if not alive():
+            return False
+        if self._closing:
+            raise Unavailable(
+                "the coordinator is shutting down; the agent will re-join its successor"
+            )
+        return True
 
     def _release(
         self, cohort: LiveCohort, held: list[tuple[UploadRef, Member]], poke: object

@@ -71,29 +71,8 @@ class MemoryStore(CohortStore):
             if replay is not None:
                 return replay
         opened = job is None or job.current.settled
-        if opened and self.waiting_cohorts >= self.limits.max_cohorts:
-            raise LimitExceeded(
-                f"{self.waiting_cohorts} cohorts are waiting, the limit max_cohorts="
-                f"{self.limits.max_cohorts}; this join would open another"
-            )
-        if self.waiting_ranks >= self.limits.max_waiting_ranks:
-            raise LimitExceeded(
-                f"{self.waiting_ranks} ranks are waiting, the limit max_waiting_ranks="
-                f"{self.limits.max_waiting_ranks}"
-            )
-        if job is None:
-            first = self.last_round(intent.job_id) + 1
-            cohort = self._new_cohort(intent, first, now)
-            job = Job(intent.job_id, cohort, {first: cohort})
-            self.jobs[intent.job_id] = job
-        elif job.current.settled:
-            self._check_round(job, intent.round, job.current.round + 1)
-            cohort = self._new_cohort(intent, job.current.round + 1, now)
-            job.current = cohort
-            job.rounds[cohort.round] = cohort
-            self._forget_old_rounds(job)
-        else:
-            self._check_round(job, intent.round, job.current.round)
+        self._check_limits(opened)
+        job = self._round_for(job, intent, now)
         cohort = job.current
         state = cohort.state
         if intent.world_size != state.world_size:
@@ -121,6 +100,35 @@ class MemoryStore(CohortStore):
         # The first rank of each signature is asked for its manifest at once.
         cohort.asks.ask(state, UploadKind.MANIFEST, member.signature, prefer=member)
         return JoinResult(cohort, member, opened=opened)
+
+    def _check_limits(self, opening: bool) -> None:
+        if opening and self.waiting_cohorts >= self.limits.max_cohorts:
+            raise LimitExceeded(
+                f"{self.waiting_cohorts} cohorts are waiting, the limit max_cohorts="
+                f"{self.limits.max_cohorts}; this join would open another"
+            )
+        if self.waiting_ranks >= self.limits.max_waiting_ranks:
+            raise LimitExceeded(
+                f"{self.waiting_ranks} ranks are waiting, the limit max_waiting_ranks="
+                f"{self.limits.max_waiting_ranks}"
+            )
+
+    def _round_for(self, job: Job | None, intent: JoinIntent, now: float) -> Job:
+        """The job with the round this join takes part in: its open one, or a new one."""
+        if job is None:
+            first = self.last_round(intent.job_id) + 1
+            cohort = self._new_cohort(intent, first, now)
+            job = Job(intent.job_id, cohort, {first: cohort})
+            self.jobs[intent.job_id] = job
+        elif job.current.settled:
+            self._check_round(job, intent.round, job.current.round + 1)
+            cohort = self._new_cohort(intent, job.current.round + 1, now)
+            job.current = cohort
+            job.rounds[cohort.round] = cohort
+            self._forget_old_rounds(job)
+        else:
+            self._check_round(job, intent.round, job.current.round)
+        return job
 
     def _replay(self, job: Job, intent: JoinIntent) -> JoinResult | None:
         past_round = job.incarnations.get(intent.member.incarnation)

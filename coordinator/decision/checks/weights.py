@@ -50,31 +50,14 @@ class WeightsCheck(Check):
                     tuple(unsent),
                 )
             )
-        awaiting: list[bytes] = []
-        pairs = 0  # classes holding other weights than their group's reference
-        # Every pair's differing tensors are known and all are buffers: computed from the
-        # model config (rotary frequencies), not initialised from a seed.
-        buffers_only = True
-        for label, classes in weight_classes(cohort).items():
-            if len(classes) < 2:
-                continue
-            ordered = _by_size(classes)
-            ref_digest, ref_ranks = ordered[0]
-            for digest, ranks in ordered[1:]:
-                pairs += 1
-                finding, names = self._pair(
-                    cohort, level, label, ref_ranks, ref_digest, digest, ranks
-                )
-                found.append(finding)
-                if names is None:
-                    buffers_only = False
-                    awaiting += [d for d in (ref_digest, digest) if d not in cohort.tensor_digests]
-                else:
-                    buffers_only = buffers_only and names[0] and names[1]
-        wanted = tuple(dict.fromkeys(awaiting))
+        pairs = self._pairs(cohort, level)
+        found += [finding for finding, _ in pairs]
+        wanted = tuple(
+            dict.fromkeys(d for _, known in pairs if isinstance(known, tuple) for d in known)
+        )
         complete_at = cohort.complete_at if cohort.complete_at is not None else ctx.now
+        n = cohort.world_size
         if wanted and ctx.now < complete_at + ctx.manifest_timeout_s:
-            n = cohort.world_size
             return Result(
                 waiting=f"[{n}/{n} ranks joined, weights differ, waiting for {len(wanted)} "
                 "digest list(s)]",
@@ -82,20 +65,48 @@ class WeightsCheck(Check):
             )
         if not found:
             return Result()
-        if not pairs:
-            kind = "unsent"
-        elif any(m.sharded_without_layout and m.layout is None for m in cohort.members.values()):
-            kind = "sharded"
-        elif buffers_only:
-            kind = "buffers"
-        else:
-            kind = "values"
-        n = cohort.world_size
+        kind = self._kind(cohort, [known for _, known in pairs])
         return Result(
             tuple(found),
             weights=kind,
             reason=f"[{n}/{n} ranks joined, models match, {_WHAT[kind]}]",
         )
+
+    def _pairs(
+        self, cohort: CohortState, level: Level
+    ) -> list[tuple[Finding, bool | tuple[bytes, ...]]]:
+        """Each class against its replica group's reference: the finding, and whether all
+        the tensors that differ are buffers, or (while unknown) the digests still wanted."""
+        out: list[tuple[Finding, bool | tuple[bytes, ...]]] = []
+        for label, classes in weight_classes(cohort).items():
+            if len(classes) < 2:
+                continue
+            ordered = _by_size(classes)
+            ref_digest, ref_ranks = ordered[0]
+            for digest, ranks in ordered[1:]:
+                finding, names = self._pair(
+                    cohort, level, label, ref_ranks, ref_digest, digest, ranks
+                )
+                if names is None:
+                    wanted = tuple(
+                        d for d in (ref_digest, digest) if d not in cohort.tensor_digests
+                    )
+                    out.append((finding, wanted))
+                else:
+                    out.append((finding, names[0] and names[1]))
+        return out
+
+    @staticmethod
+    def _kind(cohort: CohortState, buffers: list[bool | tuple[bytes, ...]]) -> str:
+        if not buffers:
+            return "unsent"
+        if any(m.sharded_without_layout and m.layout is None for m in cohort.members.values()):
+            return "sharded"
+        # Every pair's differing tensors are known and all are buffers: computed from the
+        # model config (rotary frequencies), not initialised from a seed.
+        if all(b is True for b in buffers):
+            return "buffers"
+        return "values"
 
     def _pair(
         self,
