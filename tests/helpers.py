@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +208,83 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
     else:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -- real launches ----------------------------------------------------------------------
+TRAIN = REPO / "examples" / "train.py"
+
+
+def launch_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """The environment of one launch (one node): its own TMPDIR, unbuffered, one thread."""
+    tmpdir = tmp / f"tmp-{uuid.uuid4().hex[:6]}"
+    tmpdir.mkdir()
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TMPDIR": str(tmpdir),
+        **extra,
+    }
+
+
+def launch(
+    args: Sequence[str], env: dict[str, str], cwd: Path, *, via: str = "torchrun"
+) -> subprocess.Popen[str]:
+    """`torchrun ARGS` (or `cohortgate run ARGS`, via="cohortgate run") in its own session,
+    stdout and stderr together; end it with `finish` (or `kill_group`)."""
+    command = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        "cohortgate run": [sys.executable, "-m", "coordinator.cli", "run"],
+    }[via]
+    return subprocess.Popen(
+        [*command, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[str]:
+    """Each launch's output once it ended; every process group is gone afterwards."""
+    outs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            outs.append(out)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return outs
+
+
+def torchrun(
+    addr: str,
+    job: str,
+    *script_args: str,
+    tmp: Path,
+    nproc: int = 4,
+    script: Path = TRAIN,
+) -> subprocess.CompletedProcess[str]:
+    """A single-node torchrun job of `nproc` gloo ranks joining `addr` as `job`."""
+    env = launch_env(tmp, COHORTGATE_ADDR=addr, COHORTGATE_JOB=job, MASTER_ADDR="127.0.0.1")
+    args = [
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        str(script),
+        *script_args,
+    ]
+    proc = launch(args, env, tmp)
+    (out,) = finish([proc], timeout=170)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def agent_rank(

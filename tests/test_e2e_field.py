@@ -15,47 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, coordinator_process, free_port, kill_group
+from tests.helpers import (
+    TRAIN,
+    coordinator_process,
+    finish,
+    free_port,
+    kill_group,
+    launch,
+    launch_env,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-TRAIN = REPO / "examples" / "train.py"
-
-
-def _env(tmp: Path, **extra: str) -> dict[str, str]:
-    tmpdir = tmp / f"tmp-{uuid.uuid4().hex[:6]}"
-    tmpdir.mkdir()
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TMPDIR": str(tmpdir),
-        **extra,
-    }
-
-
-def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        cwd=cwd,
-        env=env,
-    )
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[str]:
-    outs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            outs.append(out)
-    finally:
-        for proc in procs:
-            kill_group(proc)
-    return outs
 
 
 def test_two_nodes_through_cohortgate_run_form_then_a_wider_node_is_refused_on_both(
@@ -85,9 +55,9 @@ def test_two_nodes_through_cohortgate_run_form_then_a_wider_node_is_refused_on_b
                 "2",
                 *extra,
             ]
-            envs = [_env(tmp_path), _env(tmp_path)]
-            procs = [_run(args, env, tmp_path) for env in envs]
-            outputs[job] = (procs, _finish(procs))
+            envs = [launch_env(tmp_path), launch_env(tmp_path)]
+            procs = [launch(args, env, tmp_path, via="cohortgate run") for env in envs]
+            outputs[job] = (procs, finish(procs))
             for env in envs:
                 assert not list(Path(env["TMPDIR"]).glob("cohortgate-*"))
     procs, outs = outputs["two-nodes"]
@@ -122,12 +92,13 @@ def test_a_signal_to_cohortgate_run_ends_the_whole_tree_and_cleans_up(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
     mark = f"COHORTGATE_TEST_MARK={uuid.uuid4().hex}"
-    env = _env(tmp_path, COHORTGATE_TEST_MARK=mark.split("=")[1])
+    env = launch_env(tmp_path, COHORTGATE_TEST_MARK=mark.split("=")[1])
     env["COHORTGATE_HISTORY"] = "off"
-    proc = _run(
+    proc = launch(
         ["--nproc-per-node", "2", "--master-port", "0", str(TRAIN), "--absent-rank", "1"],
         env,
         tmp_path,
+        via="cohortgate run",
     )
     try:
         give_up = time.monotonic() + 90
@@ -167,45 +138,23 @@ def _joined(addr: str, job: str) -> int:
 def test_two_torchrun_launches_reusing_one_job_id_are_refused_naming_both(
     tmp_path: Path,
 ) -> None:
-    def launch(*extra: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--rdzv-id",
-                "collide1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(free_port()),
-                "--monitor-interval",
-                "0.2",
-                str(TRAIN),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            cwd=tmp_path,
-            env=_env(tmp_path, COHORTGATE_ADDR=addr),
-        )
+    def start(*extra: str) -> subprocess.Popen[str]:
+        args = ["--nproc-per-node", "2", "--rdzv-id", "collide1", "--master-addr", "127.0.0.1"]
+        args += ["--master-port", str(free_port()), "--monitor-interval", "0.2", str(TRAIN)]
+        return launch([*args, *extra], launch_env(tmp_path, COHORTGATE_ADDR=addr), tmp_path)
 
     with coordinator_process("--join-deadline", "120", tmp=tmp_path) as (addr, _):
-        first = launch("--absent-rank", "1")  # holds rank 0, never completes alone
+        first = start("--absent-rank", "1")  # holds rank 0, never completes alone
         try:
             give_up = time.monotonic() + 90
             while _joined(addr, "collide1") < 1:
                 assert first.poll() is None and time.monotonic() < give_up
                 time.sleep(0.3)
-            second = launch()
+            second = start()
         except BaseException:
             kill_group(first)
             raise
-        outs = _finish([first, second])
+        outs = finish([first, second])
     for out in outs:
         assert "formed, all_reduce" not in out, out
         assert "ranks of 2 launches share job id 'collide1'" in out, out

@@ -5,64 +5,23 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, coordinator_process, kill_group, log_events
+from tests.helpers import (
+    REPO,
+    TRAIN,
+    coordinator_process,
+    finish,
+    launch,
+    launch_env,
+    log_events,
+    torchrun,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-
-TRAIN = REPO / "examples" / "train.py"
-
-
-def torchrun(
-    addr: str,
-    job: str,
-    *script_args: str,
-    tmp: Path,
-    nproc: int = 4,
-    script: Path = TRAIN,
-) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.update(
-        COHORTGATE_ADDR=addr,
-        COHORTGATE_JOB=job,
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-        MASTER_ADDR="127.0.0.1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        "0",
-        "--monitor-interval",
-        "0.2",
-        str(script),
-        *script_args,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        cwd=tmp,
-    )
-    try:
-        out, _ = proc.communicate(timeout=170)
-    finally:
-        kill_group(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
 def stamp(event: dict[str, object]) -> float:
@@ -133,37 +92,10 @@ def test_absent_rank_is_named_at_the_deadline_in_torchruns_root_cause(tmp_path: 
 
 
 def test_cohortgate_run_is_the_one_command_way_in(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "run",
-            "--join-deadline",
-            "60",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
-            str(TRAIN),
-            "--steps",
-            "2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        cwd=tmp_path,
-        env={
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "COHORTGATE_HISTORY": str(tmp_path / "history.sqlite"),
-        },
-    )
-    try:
-        out, _ = proc.communicate(timeout=150)
-    finally:
-        kill_group(proc)
+    args = ["--join-deadline", "60", "--nproc-per-node", "2", "--master-port", "0"]
+    env = launch_env(tmp_path, COHORTGATE_HISTORY=str(tmp_path / "history.sqlite"))
+    proc = launch([*args, str(TRAIN), "--steps", "2"], env, tmp_path, via="cohortgate run")
+    (out,) = finish([proc], timeout=150)
     assert proc.returncode == 0, out
     # no --rdzv-id on one node: a generated job id, printed on stdout with the coordinator
     assert re.search(r"\[cohortgate\] job run-[0-9a-f]{12} \(generated: pass --rdzv-id", out), out

@@ -10,7 +10,6 @@ import textwrap
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,11 +33,7 @@ from tests.helpers import (
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def coord() -> Iterator[InProcessCoordinator]:
-    c = InProcessCoordinator(join_deadline=60.0, progress_interval=0.2)
-    yield c
-    c.stop()
+JOIN_DEADLINE = 60.0  # the conftest `coord` fixture's deadline
 
 
 def cli(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,11 +19,7 @@ FORMED = pb.Verdict.OUTCOME_FORMED
 REFUSED = pb.Verdict.OUTCOME_REFUSED
 
 
-@pytest.fixture
-def coord() -> Iterator[InProcessCoordinator]:
-    c = InProcessCoordinator(join_deadline=5.0, progress_interval=0.2)
-    yield c
-    c.stop()
+JOIN_DEADLINE = 5.0  # the conftest `coord` fixture's deadline
 
 
 def test_identical_ranks_form_and_get_rank0s_endpoint(coord: InProcessCoordinator) -> None:

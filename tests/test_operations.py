@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,13 +40,6 @@ from tests.helpers import (
 )
 
 CLI = [sys.executable, "-m", "coordinator.cli"]
-
-
-@pytest.fixture
-def coord() -> Iterator[InProcessCoordinator]:
-    c = InProcessCoordinator(join_deadline=30.0, progress_interval=0.2)
-    yield c
-    c.stop()
 
 
 def http_get(url: str) -> str:

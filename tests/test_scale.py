@@ -35,11 +35,7 @@ FORMED = pb.Verdict.OUTCOME_FORMED
 REFUSED = pb.Verdict.OUTCOME_REFUSED
 
 
-@pytest.fixture
-def coord() -> Iterator[InProcessCoordinator]:
-    c = InProcessCoordinator(join_deadline=20.0, progress_interval=0.2)
-    yield c
-    c.stop()
+JOIN_DEADLINE = 20.0  # the conftest `coord` fixture's deadline
 
 
 @pytest.mark.timeout(180)
