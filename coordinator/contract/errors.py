@@ -3,37 +3,37 @@
 from __future__ import annotations
 
 
-class CohortgateError(Exception):
+class CoordinatorError(Exception):
     """Base: the message says what was wrong and what to do."""
 
 
-class InvalidArgument(CohortgateError):
+class InvalidArgument(CoordinatorError):
     """The request itself is malformed or out of range."""
 
 
-class FailedPrecondition(CohortgateError):
+class FailedPrecondition(CoordinatorError):
     """The request is well-formed but does not fit the coordinator's state."""
 
 
-class AlreadyHeld(CohortgateError):
+class AlreadyHeld(CoordinatorError):
     """The rank is already held by another live incarnation."""
 
 
-class NotFound(CohortgateError):
+class NotFound(CoordinatorError):
     """The job, round or rank named does not exist."""
 
 
-class LimitExceeded(CohortgateError):
+class LimitExceeded(CoordinatorError):
     """A configured limit would be passed."""
 
 
-class Unauthenticated(CohortgateError):
+class Unauthenticated(CoordinatorError):
     """No valid credentials for the job named."""
 
 
-class Unavailable(CohortgateError):
+class Unavailable(CoordinatorError):
     """The coordinator cannot serve now (shutting down); the caller should retry."""
 
 
-class PermissionDenied(CohortgateError):
+class PermissionDenied(CoordinatorError):
     """A valid token for another job."""

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.contract.errors import CohortgateError, PermissionDenied
+from coordinator.contract.errors import CoordinatorError, PermissionDenied
 from coordinator.edge.auth import Auth
 from coordinator.service.core import Coordinator
 
@@ -202,7 +202,7 @@ class _StatusHandler(BaseHTTPRequestHandler):
             header = self.headers.get("Authorization", "")
             if not auth.grant([("authorization", header)] if header else []).admin:
                 raise PermissionDenied("the status page needs an admin token")
-        except CohortgateError as exc:
+        except CoordinatorError as exc:
             self._send(401, "text/plain", f"{exc}\n".encode())
             return False
         return True

@@ -28,7 +28,7 @@ from coordinator.contract.diff import (
 from coordinator.contract.diff import FirstDifference as DomainFirstDifference
 from coordinator.contract.digests import DIGEST_FORMAT_VERSION
 from coordinator.contract.errors import (
-    CohortgateError,
+    CoordinatorError,
     FailedPrecondition,
     InvalidArgument,
     LimitExceeded,
@@ -125,7 +125,7 @@ def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> 
     for i, member in enumerate(req.members):
         try:
             intent = join_intent(member, limits)
-        except CohortgateError as exc:
+        except CoordinatorError as exc:
             exc.args = (f"members[{i}] (rank {member.rank}): {exc}",)
             raise
         first = intents[0] if intents else intent

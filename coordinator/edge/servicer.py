@@ -14,7 +14,7 @@ from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.wire import manifest_from_pb, sha256
 from coordinator.contract.errors import (
     AlreadyHeld,
-    CohortgateError,
+    CoordinatorError,
     FailedPrecondition,
     InvalidArgument,
     LimitExceeded,
@@ -32,7 +32,7 @@ from coordinator.state.base import JoinIntent
 log = structlog.get_logger("cohortgate")
 
 # The one place domain errors become status codes.
-STATUS_CODES: dict[type[CohortgateError], grpc.StatusCode] = {
+STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     AlreadyHeld: grpc.StatusCode.ALREADY_EXISTS,
@@ -44,7 +44,7 @@ STATUS_CODES: dict[type[CohortgateError], grpc.StatusCode] = {
 }
 
 
-def status_code(exc: CohortgateError) -> grpc.StatusCode:
+def status_code(exc: CoordinatorError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         code = STATUS_CODES.get(cls)
         if code is not None:
@@ -56,7 +56,7 @@ async def _abort(
     coordinator: Coordinator,
     context: grpc.aio.ServicerContext,
     method: str,
-    exc: CohortgateError,
+    exc: CoordinatorError,
 ) -> None:
     code = status_code(exc)
     coordinator.observer.rpc_error(method, code.name)
@@ -167,7 +167,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         with structlog.contextvars.bound_contextvars(job=job_id[:64], **log_context):
             try:
                 yield
-            except CohortgateError as exc:
+            except CoordinatorError as exc:
                 await _abort(self.coordinator, context, method, exc)
             except Exception as exc:
                 await _internal(self.coordinator, context, method, exc)
@@ -189,7 +189,7 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
                     self.auth.check_job(_metadata(context), job_id)
                 return job_id
             return "" if grant.admin else grant.scope
-        except CohortgateError as exc:
+        except CoordinatorError as exc:
             await _abort(self.coordinator, context, method, exc)
             raise AssertionError("unreachable") from exc
 
@@ -238,7 +238,7 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
             if row is None:
                 what = f"round {request.round} of job" if request.round else "job"
                 raise NotFound(f"no verdict for {what} '{request.job_id[:64]}' in the history")
-        except CohortgateError as exc:
+        except CoordinatorError as exc:
             await _abort(self.coordinator, context, "GetVerdict", exc)
             raise AssertionError("unreachable") from exc
         return rpc.record_to_pb(row)
