@@ -30,6 +30,7 @@ from tests.helpers import (
     kill_group,
     manifest_of,
     run_cohort,
+    run_rank,
     serving_pid,
 )
 
@@ -119,6 +120,45 @@ def test_a_rank_that_dies_while_waiting_is_dropped_and_reported_missing(tmp_path
         c.stop()
     for r in results:
         assert r.verdict is not None and r.verdict.refusal.missing_ranks == "1"
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_rank_is_dropped_within_the_grace_and_its_restart_takes_the_rank() -> None:
+    """SIGSTOP keeps the connection open (a hung host): only keepalive can find it."""
+    c = InProcessCoordinator(join_deadline=60.0, rank_grace=2.0)
+    m = manifest_of()
+    script = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r});"
+        "from tests.helpers import join_request, manifest_of, run_rank;"
+        f"m = manifest_of(); run_rank({c.addr!r}, join_request('frozen', 1, 5, m), m, 60)"
+    )
+    pool = ThreadPoolExecutor(max_workers=4)
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        waiting = [
+            pool.submit(run_rank, c.addr, join_request("frozen", r, 5, m), m, 60) for r in (0, 2, 3)
+        ]
+        give_up = time.monotonic() + 20
+        while not c.call(lambda: _holds(c, "frozen", 1)):
+            assert time.monotonic() < give_up, "the rank never joined"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen: its connection stays open
+        frozen_at = time.monotonic()
+        while c.call(lambda: _holds(c, "frozen", 1)):
+            assert time.monotonic() - frozen_at < 3.0, "a frozen rank outlived the grace"
+            time.sleep(0.05)
+        dropped_s = time.monotonic() - frozen_at
+        restarted = pool.submit(run_rank, c.addr, join_request("frozen", 1, 5, m), m, 60)
+        last = run_rank(c.addr, join_request("frozen", 4, 5, m), m, 60)
+        results = [w.result(timeout=30) for w in waiting] + [restarted.result(timeout=30), last]
+    finally:
+        kill_group(proc)
+        pool.shutdown(wait=False, cancel_futures=True)
+        c.stop()
+    print(f"frozen rank dropped after {dropped_s:.2f} s (grace 2 s)")
+    assert all(
+        r.verdict is not None and r.verdict.outcome == pb.Verdict.OUTCOME_FORMED for r in results
+    ), [r.error for r in results]
 
 
 # -- chaos ---------------------------------------------------------------------------------

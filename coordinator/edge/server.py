@@ -96,6 +96,12 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             ("grpc.max_send_message_length", limits.max_message_bytes),
             ("grpc.keepalive_time_ms", half_grace_ms),
             ("grpc.keepalive_timeout_ms", half_grace_ms),
+            # grpcio 1.85 waits for a ping's answer `http2.ping_timeout_ms` (60 s by default),
+            # not `keepalive_timeout_ms`: a frozen host (SIGSTOP, a hung node: its connection
+            # stays open) then held its rank for a minute whatever the grace.
+            ("grpc.http2.ping_timeout_ms", half_grace_ms),
+            # A waiting rank's call is quiet (no data for minutes): keep pinging it anyway.
+            ("grpc.http2.max_pings_without_data", 0),
             # Agents wait minutes on one call; let their keepalive pings through.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
