@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,33 +155,37 @@ def sha(data: bytes) -> bytes:
 
 @contextlib.contextmanager
 def coordinator_process(
-    *flags: str, tmp: Path, listen: str = "127.0.0.1:0"
+    *flags: str,
+    tmp: Path,
+    listen: str = "127.0.0.1:0",
+    wrap: Callable[[list[str], Path], list[str]] | None = None,
 ) -> Iterator[tuple[str, Path]]:
-    """`cohortgate serve` as a real subprocess on a free port; yields (addr, log path)."""
+    """`cohortgate serve` as a real subprocess on a free port; yields (addr, log path).
+    `wrap(command, port_file)` may run the command inside something (a mount namespace)."""
     port_file = tmp / f"port-{uuid.uuid4().hex[:6]}"
     log = tmp / f"coordinator-{uuid.uuid4().hex[:6]}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "serve",
+        "--listen",
+        listen,
+        "--port-file",
+        str(port_file),
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--history",
+        str(tmp / "history.sqlite"),
+        "--log-format",
+        "json",
+        *flags,
+    ]
+    if wrap is not None:
+        command = wrap(command, port_file)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "coordinator.cli",
-                "serve",
-                "--listen",
-                listen,
-                "--port-file",
-                str(port_file),
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--history",
-                str(tmp / "history.sqlite"),
-                "--log-format",
-                "json",
-                *flags,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         give_up = time.monotonic() + 30

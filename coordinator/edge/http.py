@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
 import threading
@@ -14,9 +15,10 @@ from typing import Any, ClassVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.contract.errors import CoordinatorError, PermissionDenied
+from coordinator.contract.errors import CoordinatorError, PermissionDenied, Unavailable
 from coordinator.edge.auth import Auth
 from coordinator.service.core import Coordinator
+from coordinator.state.base import VerdictRow
 
 # How often the page reloads itself; dashboards need no faster.
 REFRESH_S = 2
@@ -26,21 +28,12 @@ def snapshot(coordinator: Coordinator, recent: int = 20) -> dict[str, Any]:
     """Everything the page shows, as JSON-ready data (runs on the coordinator's loop)."""
     summaries = coordinator.summaries()
     history = coordinator.observer.history
+    problem = coordinator.observer.history_problem()
+    verdicts = None
     if history is not None:
-        verdicts = [
-            {
-                "job_id": r.job_id,
-                "round": r.round,
-                "outcome": r.outcome,
-                "cause": r.cause,
-                "reason": r.reason,
-                "report": r.report,
-                "decided_at": r.decided_at,
-                "cohort_id": r.cohort_id,
-            }
-            for r in history.recent(recent)
-        ]
-    else:
+        with contextlib.suppress(Unavailable):  # an unreadable file: the live verdicts
+            verdicts = _stored(history.recent(recent))
+    if verdicts is None:
         verdicts = [
             {
                 "job_id": s.job_id,
@@ -57,9 +50,26 @@ def snapshot(coordinator: Coordinator, recent: int = 20) -> dict[str, Any]:
         ][:recent]
     return {
         "generated_at": time.time(),
+        "degraded": {"history": problem} if problem else {},
         "waiting": [s.to_dict() for s in summaries if s.state == "waiting"],
         "recent_verdicts": verdicts,
     }
+
+
+def _stored(rows: list[VerdictRow]) -> list[dict[str, Any]]:
+    return [
+        {
+            "job_id": r.job_id,
+            "round": r.round,
+            "outcome": r.outcome,
+            "cause": r.cause,
+            "reason": r.reason,
+            "report": r.report,
+            "decided_at": r.decided_at,
+            "cohort_id": r.cohort_id,
+        }
+        for r in rows
+    ]
 
 
 def _when(ts: float) -> str:
@@ -94,6 +104,10 @@ def render_page(data: dict[str, Any]) -> str:
             f"<td>{_when(v['decided_at'])}</td></tr>"
         )
     verdicts = "".join(verdict_rows) or "<tr><td colspan=5>no verdict yet</td></tr>"
+    degraded = "".join(
+        f"<p class=missing>degraded: {esc(what)}: {esc(why)}</p>"
+        for what, why in data.get("degraded", {}).items()
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
 <title>cohortgate status</title>
@@ -109,6 +123,7 @@ tr.formed td{{background:#f0fff4}} pre{{white-space:pre-wrap;font-size:12px}}
 <h1>cohortgate</h1>
 <p>updated {_when(data["generated_at"])}, refreshes every {REFRESH_S}s &middot;
 <a href="status.json">JSON</a> &middot; <a href="metrics">metrics</a></p>
+{degraded}
 <h2>Waiting cohorts</h2>
 <table><tr><th>job</th><th>round</th><th>joined</th><th>missing ranks</th><th>age</th>
 <th>deadline in</th><th>reason</th></tr>{waiting}</table>
@@ -189,7 +204,9 @@ class _StatusHandler(BaseHTTPRequestHandler):
         elif path == "/status.json":
             self._send(200, "application/json", json.dumps(src.take(), indent=1).encode())
         elif path == "/healthz":
-            self._send(200, "text/plain", b"ok\n")
+            problem = src.coordinator.observer.history_problem()  # thread-safe reads
+            said = f"degraded: history: {problem}\n" if problem else "ok\n"
+            self._send(200, "text/plain", said.encode())
         else:
             self._send(404, "text/plain", b"not found: try /status, /status.json, /metrics\n")
 

@@ -31,6 +31,9 @@ PENDING_CALLS = 1 << 20
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
 STATUS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StatusService"].full_name
+# The health name of the verdict history: NOT_SERVING while its file refuses writes.
+HISTORY_HEALTH = "cohortgate.history"
+HISTORY_CHECK_S = 1.0
 
 
 class RunningServer:
@@ -50,11 +53,11 @@ class RunningServer:
         self.port = port
         self.metrics = metrics
         self.metrics_port = metrics.port if metrics else 0
-        self.sweeper: asyncio.Task[None] | None = None
+        self.tasks: list[asyncio.Task[None]] = []
 
     async def stop(self, grace: float) -> None:
-        if self.sweeper is not None:
-            self.sweeper.cancel()
+        for task in self.tasks:
+            task.cancel()
         await self.health.enter_graceful_shutdown()
         self.coordinator.close()
         await self.server.stop(grace)
@@ -150,7 +153,10 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     for name in ("", SERVICE_NAME, STATUS_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = RunningServer(server, coordinator, health, port, metrics)
-    running.sweeper = asyncio.create_task(_sweep(coordinator, config.job_retention))
+    running.tasks.append(asyncio.create_task(_sweep(coordinator, config.job_retention)))
+    if coordinator.observer.history is not None:
+        await health.set(HISTORY_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+        running.tasks.append(asyncio.create_task(_watch_history(coordinator, health)))
     if config.exposed and (config.tls_cert is None or not auth.enabled):
         missing = " and ".join(
             what
@@ -185,6 +191,23 @@ async def _sweep(coordinator: Coordinator, retention_s: float) -> None:
         evicted = coordinator.store.evict(retention_s)
         if evicted:
             log.debug("forgot decided jobs", count=evicted)
+
+
+async def _watch_history(coordinator: Coordinator, health: HealthServicer) -> None:
+    """Health names a history that refuses writes: NOT_SERVING for HISTORY_HEALTH (the
+    coordinator itself stays SERVING: verdicts do not depend on the record)."""
+    was = ""
+    while True:
+        problem = coordinator.observer.history_problem()
+        if problem != was:
+            status = health_pb2.HealthCheckResponse
+            await health.set(HISTORY_HEALTH, status.NOT_SERVING if problem else status.SERVING)
+            if problem:
+                log.warning("history degraded", problem=problem)
+            else:
+                log.info("history writes again")
+            was = problem
+        await asyncio.sleep(HISTORY_CHECK_S)
 
 
 async def serve(config: ServeConfig, on_ready: Callable[[int], None] | None = None) -> None:

@@ -84,6 +84,24 @@ class Metrics:
             registry=r,
         )
 
+        self.history_errors = Counter(
+            "cohortgate_history_errors_total",
+            "Verdict history operations that failed (locked, full or unreadable file), by "
+            "operation; verdicts are still sent to every rank.",
+            ["operation"],
+            registry=r,
+        )
+        self.history_spooled = Gauge(
+            "cohortgate_history_spooled_verdicts",
+            "Verdicts decided but not yet written to the history file.",
+            registry=r,
+        )
+        self.history_degraded = Gauge(
+            "cohortgate_history_degraded",
+            "1 while the history file refuses writes (the coordinator keeps serving).",
+            registry=r,
+        )
+
     def names(self) -> set[str]:
         """Every series name this registry can export, whether or not it has samples yet
         (for checking that dashboards and alert rules use only real metrics)."""

@@ -12,6 +12,20 @@ class Observer:
     def __init__(self, metrics: Metrics | None = None, history: VerdictStore | None = None) -> None:
         self.metrics = metrics or Metrics()
         self.history = history
+        if history is not None:
+            history.listeners.append(self._history_failed)
+
+    def _history_failed(self, operation: str, _: Exception) -> None:
+        self.metrics.history_errors.labels(operation).inc()
+
+    def history_problem(self) -> str:
+        """Why the history is degraded ("" when it is not); updates its gauges."""
+        if self.history is None:
+            return ""
+        problem = self.history.problem
+        self.metrics.history_degraded.set(1 if problem else 0)
+        self.metrics.history_spooled.set(self.history.spooled)
+        return problem
 
     def joined(self, opened: bool) -> None:
         self.metrics.joins.inc()

@@ -8,6 +8,7 @@ highly available coordinator would implement the same two interfaces.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.contract.errors import InvalidArgument
@@ -139,8 +140,24 @@ class CohortStore(abc.ABC):
         """Forget jobs settled longer ago than `older_than_s`; returns how many went."""
 
 
+ErrorListener = Callable[[str, Exception], None]  # (operation, error)
+
+
 class VerdictStore(abc.ABC):
-    """Verdicts kept after their cohort leaves memory, across restarts."""
+    """Verdicts kept after their cohort leaves memory, across restarts. A record, never a
+    gate: `record` never blocks or raises; failures go to `listeners` and `problem`."""
+
+    listeners: list[ErrorListener]
+
+    @property
+    @abc.abstractmethod
+    def problem(self) -> str:
+        """Why the store is degraded ("" when it is not)."""
+
+    @property
+    @abc.abstractmethod
+    def spooled(self) -> int:
+        """Verdicts recorded but not yet stored."""
 
     @abc.abstractmethod
     def record(self, row: VerdictRow) -> None: ...

@@ -1,0 +1,156 @@
+"""History is a record, never a gate: a locked, full or read-only history file changes no
+verdict, is counted and shows in health, and the coordinator keeps serving."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.state.history import HistoryError
+from tests.helpers import InProcessCoordinator, coordinator_process, manifest_of, run_cohort
+
+pytestmark = pytest.mark.timeout(120)
+COHORTS = 20
+
+
+def _health(addr: str, service: str) -> int:
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+
+def _twenty_cohorts(addr: str, job: str) -> None:
+    """Every rank of every cohort gets the same verdict: formed, with the same cohort id."""
+    m = manifest_of()
+    for i in range(COHORTS):
+        results = run_cohort(addr, f"{job}-{i}", {0: m, 1: m})
+        ids = {r.verdict.cohort_id for r in results if r.verdict is not None}
+        assert len(ids) == 1, [r.error for r in results]
+        assert all(
+            r.verdict is not None and r.verdict.outcome == pb.Verdict.OUTCOME_FORMED
+            for r in results
+        ), [r.error for r in results]
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def _wait_for(check: object, what: str, within: float = 10.0) -> None:
+    give_up = time.monotonic() + within
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < give_up, what
+        time.sleep(0.1)
+
+
+def test_a_locked_history_changes_no_verdict_and_is_written_once_released(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "history.sqlite"
+    c = InProcessCoordinator(history=str(path), join_deadline=30.0, progress_interval=0.2)
+    locker = sqlite3.connect(path, isolation_level=None)
+    try:
+        locker.execute("BEGIN EXCLUSIVE")  # another process holds the write lock
+        started = time.monotonic()
+        _twenty_cohorts(c.addr, "locked")
+        took = time.monotonic() - started
+        _wait_for(
+            lambda: _metric(c.metrics_url, "cohortgate_history_errors_total") >= 1,
+            "no history error was counted",
+        )
+        errors = _metric(c.metrics_url, "cohortgate_history_errors_total")
+        _wait_for(lambda: _health(c.addr, "cohortgate.history") == 2, "health never said it")
+        assert _health(c.addr, "") == health_pb2.HealthCheckResponse.SERVING
+        with urllib.request.urlopen(c.metrics_url + "/healthz", timeout=10) as reply:
+            assert reply.read().decode().startswith("degraded: history: database is locked")
+        assert _metric(c.metrics_url, "cohortgate_history_degraded") == 1
+        locker.execute("ROLLBACK")
+        history = c.running.coordinator.observer.history
+        assert history is not None
+        _wait_for(lambda: history.spooled == 0, "the spooled verdicts were never written", 40)
+        _wait_for(lambda: _health(c.addr, "cohortgate.history") == 1, "health never recovered")
+        stored = locker.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0]
+    finally:
+        locker.close()
+        c.stop()
+    print(f"{COHORTS} cohorts formed in {took:.2f}s with the history locked, {errors:.0f} errors")
+    assert stored == COHORTS
+    assert took < 20, "a locked history must not stall the loop 5 s per verdict"
+
+
+def _namespaced(before: str, after: str) -> object:
+    """Run the coordinator in a mount namespace with its history on a small tmpfs; `before`
+    runs once the history file exists, `after` once the coordinator serves."""
+
+    def wrap(command: list[str], port_file: Path) -> list[str]:
+        directory = port_file.parent / "histfs"
+        directory.mkdir()
+        create = f"{sys.executable} -c 'import sys; from coordinator.state.history import "
+        create += 'History; History(sys.argv[1]).close()\' "$D/history.sqlite"'
+        script = (
+            f'set -e; mount -t tmpfs -o size=1m tmpfs "$D"; {create}; {before}; "$@" & pid=$!; '
+            f'while [ ! -s "$P" ]; do sleep 0.05; done; {after}; wait "$pid"'
+        )
+        return [
+            "env",
+            f"D={directory}",
+            f"P={port_file}",
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *command,
+            "--history",
+            str(directory / "history.sqlite"),
+        ]
+
+    return wrap
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        pytest.param("true", 'dd if=/dev/zero of="$D/fill" bs=4k 2>/dev/null || true', id="full"),
+        pytest.param('mount -o remount,ro "$D"', "true", id="read-only"),
+    ],
+)
+def test_a_full_or_read_only_history_filesystem_changes_no_verdict(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    wrap = _namespaced(before, after)
+    with coordinator_process(tmp=tmp_path, wrap=wrap) as (addr, log):  # type: ignore[arg-type]
+        _twenty_cohorts(addr, "broken-fs")
+        _wait_for(lambda: _health(addr, "cohortgate.history") == 2, "health never said it")
+        assert _health(addr, "") == health_pb2.HealthCheckResponse.SERVING
+        port = int(
+            (log.parent / next(p.name for p in log.parent.glob("port-*"))).read_text().split()[1]
+        )
+        assert _metric(f"http://127.0.0.1:{port}", "cohortgate_history_errors_total") >= 1
+    assert "history write failed" in log.read_text()
+
+
+def test_a_corrupt_history_file_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "history.sqlite"
+    bad.write_bytes(b"this is not a database, it is a text file" * 100)
+    with pytest.raises(HistoryError) as err:
+        from coordinator.state.history import History
+
+        History(bad)
+    assert str(err.value).startswith(f"--history {bad}: cannot use the verdict history")
+    assert "move the file aside" in str(err.value)
