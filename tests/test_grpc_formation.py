@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -178,25 +179,54 @@ def test_manifest_that_does_not_hash_to_its_signature(coord: InProcessCoordinato
         assert "rank 0 (host host0) hashes to" in verdict.refusal.report
 
 
-def test_upload_with_invalid_manifest_fields(coord: InProcessCoordinator) -> None:
+def _upload(stub: Any, req: pb.JoinRequest, manifest: pb.Manifest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UploadManifest(
+            pb.UploadManifestRequest(
+                job_id=req.job_id,
+                round=1,
+                rank=req.rank,
+                incarnation=req.incarnation,
+                signature=req.signature,
+                manifest=manifest,
+            ),
+            timeout=5,
+        )
+    return err.value
+
+
+def test_a_members_upload_with_invalid_manifest_fields_names_the_field(
+    coord: InProcessCoordinator,
+) -> None:
     m = manifest_of()
+    req = join_request("bad-fields", 0, 2, m)
     with grpc.insecure_channel(coord.addr) as channel:
         stub = pb_grpc.CohortServiceStub(channel)
+        call = stub.Join(req, timeout=30)
+        next(iter(call))  # a member now, waiting for rank 1
         bad = pb.Manifest(format=1, entries=[pb.ManifestEntry(kind=1, name="w", dtype="Float!")])
-        with pytest.raises(grpc.RpcError) as err:
-            stub.UploadManifest(
-                pb.UploadManifestRequest(
-                    job_id="nojob",
-                    round=1,
-                    rank=0,
-                    incarnation="x",
-                    signature=m.signature(),
-                    manifest=bad,
-                ),
-                timeout=5,
-            )
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not a canonical dtype" in (err.value.details() or "")
+        error = _upload(stub, req, bad)
+        huge = pb.Manifest(format=1, entries=[pb.ManifestEntry(kind=1, name="w" * 1000)] * 200)
+        too_big = _upload(stub, req, huge)  # 3 entries announced, 200 KB sent
+        call.cancel()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a canonical dtype" in (error.details() or "")
+    assert too_big.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "more than its 3-entry manifest can take" in (too_big.details() or "")
+
+
+def test_a_non_members_upload_is_refused_before_its_payload_is_decoded(
+    coord: InProcessCoordinator,
+) -> None:
+    head = pb.UploadManifestHeader(
+        job_id="nobody", round=1, rank=0, incarnation="x", signature=b"s" * 32
+    )
+    # field 6 (the manifest) holding bytes that are no message: decoding it would fail
+    data = head.SerializeToString() + b"\x32\x05\xff\xff\xff\xff\xff"
+    with grpc.insecure_channel(coord.addr) as channel, pytest.raises(grpc.RpcError) as err:
+        channel.unary_unary("/cohortgate.v1.CohortService/UploadManifest")(data, timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+    assert "no round 1 of job 'nobody'" in (err.value.details() or "")
 
 
 def test_two_jobs_interleaved_do_not_interfere(coord: InProcessCoordinator) -> None:

@@ -267,7 +267,7 @@ def test_promtool_accepts_the_alert_rules_and_config() -> None:
         timeout=60,
     )
     assert rules.returncode == 0, rules.stdout + rules.stderr
-    assert "SUCCESS: 4 rules found" in rules.stdout
+    assert "SUCCESS: 5 rules found" in rules.stdout
     config = subprocess.run(
         [promtool, "check", "config", str(REPO / "deploy/prometheus/prometheus.yml")],
         capture_output=True,

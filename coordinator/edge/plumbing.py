@@ -22,6 +22,11 @@ class Malformed:
         self.message = f"the request is not a valid {type_name}: {error}"
 
 
+def parse_request(cls: Any, data: bytes) -> Any:
+    """`data` as a `cls` message, or Malformed (for RAW_REQUESTS handlers, off the loop)."""
+    return _safe_deserializer(cls)(data)
+
+
 def _safe_deserializer(cls: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
@@ -41,15 +46,27 @@ def _serializer(cls: Any) -> Callable[[Any], bytes]:
     return encode
 
 
+# Methods whose requests carry a large payload (a manifest, a million digests): their
+# handlers receive the raw bytes and decide who sent them, and whether the size is allowed,
+# before decoding the payload, which they do off the event loop.
+RAW_REQUESTS = frozenset({"UploadManifest", "UploadDigests"})
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
 def add_service(server: grpc.aio.Server, service_name: str, servicer: Any) -> None:
     """Register `servicer` for a cohortgate.v1 service with deserialisers that never raise:
-    bytes that are not a protobuf message get INVALID_ARGUMENT, not grpc's INTERNAL."""
+    bytes that are not a protobuf message get INVALID_ARGUMENT, not grpc's INTERNAL. The
+    RAW_REQUESTS methods get their request as bytes."""
     descriptor = pb.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for method in descriptor.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         behavior = getattr(servicer, method.name)
+        parse = _raw if method.name in RAW_REQUESTS else _safe_deserializer(request_cls)
         if method.server_streaming:
 
             async def stream(request: Any, context: Any, behavior: Any = behavior) -> Any:
@@ -72,7 +89,7 @@ def add_service(server: grpc.aio.Server, service_name: str, servicer: Any) -> No
 
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                 unary,
-                request_deserializer=_safe_deserializer(request_cls),
+                request_deserializer=parse,
                 response_serializer=response_cls.SerializeToString,
             )
     server.add_generic_rpc_handlers(

@@ -99,6 +99,16 @@ class Relay(pb_grpc.CohortServiceServicer):
         self.upstream = upstream
         self.channel = (security or ClientSecurity()).aio_channel(upstream)
         self.stub = pb_grpc.CohortServiceStub(self.channel)
+        # Uploads pass through as the bytes the rank sent (see RAW_REQUESTS): never decoded.
+        service = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
+        self.raw_upload_manifest = self.channel.unary_unary(
+            f"/{service}/UploadManifest",
+            response_deserializer=pb.UploadManifestResponse.FromString,
+        )
+        self.raw_upload_digests = self.channel.unary_unary(
+            f"/{service}/UploadDigests",
+            response_deserializer=pb.UploadDigestsResponse.FromString,
+        )
         self.window_s = window_s
         self.local_ranks = local_ranks
         self._pending: dict[GroupKey, _Group] = {}
@@ -145,20 +155,18 @@ class Relay(pb_grpc.CohortServiceServicer):
             if not decided:
                 self._left(group, request.rank, rank)
 
-    async def UploadManifest(
-        self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
+    async def UploadManifest(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
+        self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
         response: pb.UploadManifestResponse = await _forward(
-            self.stub.UploadManifest, request, context
+            self.raw_upload_manifest, data, context
         )
         return response
 
-    async def UploadDigests(
-        self, request: pb.UploadDigestsRequest, context: grpc.aio.ServicerContext
+    async def UploadDigests(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
+        self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:
-        response: pb.UploadDigestsResponse = await _forward(
-            self.stub.UploadDigests, request, context
-        )
+        response: pb.UploadDigestsResponse = await _forward(self.raw_upload_digests, data, context)
         return response
 
     async def JoinGroup(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from google.protobuf.message import Message
+
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.codec.wire import (
     DEFAULT_LIMITS,
@@ -13,6 +15,7 @@ from coordinator.codec.wire import (
     STATE_TO_PB,
     entry_to_pb,
     layout_from_pb,
+    manifest_from_pb,
     sha256,
     text,
 )
@@ -34,9 +37,11 @@ from coordinator.contract.errors import (
     LimitExceeded,
 )
 from coordinator.contract.limits import Limits
+from coordinator.contract.manifest import Manifest
 from coordinator.contract.runtime import RUNTIME_FIELDS
 from coordinator.decision.cohort import Cause, Member, Outcome, UploadKind
 from coordinator.decision.report import Verdict
+from coordinator.edge.plumbing import Malformed, parse_request
 from coordinator.service.core import JoinEvent, UploadAsk
 from coordinator.service.status import CohortSummary
 from coordinator.state.asks import UploadRef
@@ -335,7 +340,38 @@ def event_to_pb(event: JoinEvent) -> pb.JoinEvent | bytes:
     )
 
 
-def upload_ref(req: pb.UploadManifestRequest | pb.UploadDigestsRequest) -> UploadRef:
+def upload_header(data: bytes, sent: type[Message]) -> pb.UploadManifestHeader:
+    """The first fields of an upload (UploadManifestRequest or UploadDigestsRequest share
+    them), read without decoding its payload; errors name the message `sent`."""
+    head = parse_request(pb.UploadManifestHeader, data)
+    if isinstance(head, Malformed):
+        raise InvalidArgument(head.message.replace("UploadManifestHeader", sent.__name__))
+    return head  # type: ignore[no-any-return]
+
+
+def manifest_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Manifest:
+    """The whole upload decoded, validated and hashed (in a worker thread: O(entries))."""
+    req = parse_request(pb.UploadManifestRequest, data)
+    if isinstance(req, Malformed):
+        raise InvalidArgument(req.message)
+    manifest = manifest_from_pb(req.manifest, limits)
+    manifest.signature()  # cached: the event loop only compares it
+    return manifest
+
+
+def digests_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:
+    req = parse_request(pb.UploadDigestsRequest, data)
+    if isinstance(req, Malformed):
+        raise InvalidArgument(req.message)
+    if len(req.digests) > limits.max_manifest_entries:
+        raise LimitExceeded(
+            f"{len(req.digests)} digests; the limit is "
+            f"max_manifest_entries={limits.max_manifest_entries}"
+        )
+    return [bytes(d) for d in req.digests]
+
+
+def upload_ref(req: pb.UploadManifestHeader) -> UploadRef:
     """Who an upload says it comes from (checked against the cohort's members)."""
     return UploadRef(
         text(req.job_id, "job_id", MAX_JOB_ID, required=True),

@@ -11,7 +11,7 @@ import structlog
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec.wire import manifest_from_pb, sha256
+from coordinator.codec.wire import sha256
 from coordinator.contract.errors import (
     AlreadyHeld,
     CoordinatorError,
@@ -24,12 +24,15 @@ from coordinator.contract.errors import (
     Unavailable,
 )
 from coordinator.contract.limits import Limits
+from coordinator.decision.cohort import UploadKind
 from coordinator.edge import rpc
 from coordinator.edge.auth import Auth
 from coordinator.service.core import Coordinator
 from coordinator.state.base import JoinIntent
 
 log = structlog.get_logger("cohortgate")
+
+DECODES = 2
 
 # The one place domain errors become status codes.
 STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
@@ -90,6 +93,9 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         self.coordinator = coordinator
         self.auth = auth or Auth(None)
         self.limits = limits or Limits()
+        # Large uploads decoded at once, each in a worker thread: more would only queue for
+        # the GIL while holding their payloads in memory.
+        self._decoding = asyncio.Semaphore(DECODES)
 
     def Join(  # type: ignore[override]  # yields pre-encoded verdicts too
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
@@ -132,36 +138,39 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             async for event in events:
                 yield rpc.event_to_pb(event)
 
-    async def UploadManifest(
-        self, request: pb.UploadManifestRequest, context: grpc.aio.ServicerContext
+    async def UploadManifest(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
+        self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
-        async with self._answering(context, "UploadManifest", request.job_id, rank=request.rank):
-            self.auth.check_job(_metadata(context), request.job_id)
-            signature = sha256(request.signature, "signature")
-            manifest = manifest_from_pb(request.manifest, self.limits)
-            self.coordinator.upload(
-                rpc.upload_ref(request), manifest, signature, size=request.manifest.ByteSize()
-            )
+        """Who sends, and whether the size is allowed, from the request's first fields;
+        only then is the manifest decoded and hashed, in a worker thread."""
+        async with self._answering(context, "UploadManifest"):
+            head = rpc.upload_header(data, pb.UploadManifestRequest)
+            structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
+            self.auth.check_job(_metadata(context), head.job_id)
+            ref, signature = rpc.upload_ref(head), sha256(head.signature, "signature")
+            if self.coordinator.wants_upload(ref, UploadKind.MANIFEST, signature, len(data)):
+                async with self._decoding:
+                    manifest = await asyncio.to_thread(rpc.manifest_of, data, self.limits)
+                self.coordinator.upload(ref, manifest, signature, size=len(data))
         return pb.UploadManifestResponse()
 
-    async def UploadDigests(
-        self, request: pb.UploadDigestsRequest, context: grpc.aio.ServicerContext
+    async def UploadDigests(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
+        self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:
-        async with self._answering(context, "UploadDigests", request.job_id, rank=request.rank):
-            self.auth.check_job(_metadata(context), request.job_id)
-            if len(request.digests) > self.limits.max_manifest_entries:
-                raise LimitExceeded(
-                    f"{len(request.digests)} digests; the limit is "
-                    f"max_manifest_entries={self.limits.max_manifest_entries}"
-                )
-            self.coordinator.upload_digests(
-                rpc.upload_ref(request), [bytes(d) for d in request.digests]
-            )
+        async with self._answering(context, "UploadDigests"):
+            head = rpc.upload_header(data, pb.UploadDigestsRequest)
+            structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
+            self.auth.check_job(_metadata(context), head.job_id)
+            ref = rpc.upload_ref(head)
+            if self.coordinator.wants_upload(ref, UploadKind.DIGESTS, b"", len(data)):
+                async with self._decoding:
+                    digests = await asyncio.to_thread(rpc.digests_of, data, self.limits)
+                self.coordinator.upload_digests(ref, digests)
         return pb.UploadDigestsResponse()
 
     @contextlib.asynccontextmanager
     async def _answering(
-        self, context: grpc.aio.ServicerContext, method: str, job_id: str, **log_context: int
+        self, context: grpc.aio.ServicerContext, method: str, job_id: str = "", **log_context: int
     ) -> AsyncIterator[None]:
         """A call's log context, and its errors as status codes (a bug as INTERNAL)."""
         with structlog.contextvars.bound_contextvars(job=job_id[:64], **log_context):

@@ -341,6 +341,11 @@ class Coordinator:
         return event
 
     # -- uploads -----------------------------------------------------------------------
+    def wants_upload(self, ref: UploadRef, kind: UploadKind, claimed: bytes, size: int) -> bool:
+        """Before an upload is decoded: is `ref` a member expected to send it (raises if
+        not), and is it still missing?"""
+        return self.store.wants_upload(ref, kind, claimed, size)
+
     def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes, size: int = 0) -> None:
         try:
             cohort = self.store.upload(ref, manifest, claimed)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from coordinator.contract.errors import InvalidArgument
 from coordinator.contract.manifest import Manifest
-from coordinator.decision.cohort import CohortState, Member
+from coordinator.decision.cohort import CohortState, Member, UploadKind
 from coordinator.decision.formation import Decision
 from coordinator.decision.report import Verdict
 from coordinator.state.asks import Asks, UploadRef
@@ -111,6 +111,12 @@ class CohortStore(abc.ABC):
     @abc.abstractmethod
     def abandon(self, cohort: LiveCohort) -> bool:
         """Abandon a waiting round that every rank left; False if it is not one."""
+
+    @abc.abstractmethod
+    def wants_upload(self, ref: UploadRef, kind: UploadKind, claimed: bytes, size: int) -> bool:
+        """Decided before an upload's payload is decoded: raises when `ref` is no member (or
+        claims another signature, or sends more bytes than its manifest can take); False
+        when the upload is already in (nothing to decode)."""
 
     @abc.abstractmethod
     def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> LiveCohort:

@@ -18,8 +18,14 @@ from coordinator.contract.manifest import Manifest
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
 from coordinator.decision.formation import Decision, FormationOptions, decide
 from coordinator.decision.report import build_verdict
-from coordinator.state.asks import UploadRef
+from coordinator.state.asks import UploadRef, key_of, uploaded
 from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinResult, LiveCohort
+
+# The most one manifest entry takes on the wire (a 1,024-character name, 64 dimensions and
+# strides, dtype, alias): an upload larger than its announced entries allow is refused
+# before it is decoded.
+MAX_ENTRY_WIRE_BYTES = 4096
+UPLOAD_SLACK_BYTES = 64 * 1024
 
 # Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
 # verdict back; older rounds are forgotten (the history database keeps them for good).
@@ -214,14 +220,39 @@ class MemoryStore(CohortStore):
         cohort.asks.done(kind, key)
         return InvalidUpload(message, cohort)
 
+    def wants_upload(self, ref: UploadRef, kind: UploadKind, claimed: bytes, size: int) -> bool:
+        what = "a manifest" if kind is UploadKind.MANIFEST else "digests"
+        cohort, member = self._member(ref, what)
+        if kind is UploadKind.MANIFEST:
+            self._check_claim(ref, member, claimed)
+            most = member.manifest_entries * MAX_ENTRY_WIRE_BYTES + UPLOAD_SLACK_BYTES
+        else:
+            self._check_digests_expected(ref, member)
+            most = member.manifest_entries * (DIGEST_BYTES + 8) + UPLOAD_SLACK_BYTES
+        if size > most:
+            raise LimitExceeded(
+                f"the {what} upload of rank {ref.rank} is {size} bytes, more than its "
+                f"{member.manifest_entries}-entry manifest can take ({most} bytes at most)"
+            )
+        return not uploaded(cohort.state, kind, key_of(member, kind))
+
+    def _check_claim(self, ref: UploadRef, member: Member, claimed: bytes) -> None:
+        if claimed != member.signature:
+            raise InvalidArgument(
+                f"upload claims signature {claimed.hex()[:12]}, but rank {ref.rank} joined "
+                f"with {member.signature.hex()[:12]}"
+            )
+
+    def _check_digests_expected(self, ref: UploadRef, member: Member) -> None:
+        if not member.weights_digest:
+            raise FailedPrecondition(
+                f"rank {ref.rank} joined without a weights digest; there is nothing to explain"
+            )
+
     def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> LiveCohort:
         cohort, member = self._member(ref, "a manifest")
         rank = ref.rank
-        if claimed != member.signature:
-            raise InvalidArgument(
-                f"upload claims signature {claimed.hex()[:12]}, but rank {rank} joined with "
-                f"{member.signature.hex()[:12]}"
-            )
+        self._check_claim(ref, member, claimed)
         actual = manifest.signature()
         if actual != claimed:
             message = (
@@ -263,10 +294,7 @@ class MemoryStore(CohortStore):
     def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> LiveCohort:
         cohort, member = self._member(ref, "digests")
         rank = ref.rank
-        if not member.weights_digest:
-            raise FailedPrecondition(
-                f"rank {rank} joined without a weights digest; there is nothing to explain"
-            )
+        self._check_digests_expected(ref, member)
         if len(digests) != member.manifest_entries:
             raise InvalidArgument(
                 f"{len(digests)} digests uploaded, but rank {rank}'s manifest has "

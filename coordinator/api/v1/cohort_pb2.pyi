@@ -666,6 +666,43 @@ class UploadManifestResponse(_message.Message):
 Global___UploadManifestResponse: _TypeAlias = UploadManifestResponse  # noqa: Y015
 
 @_typing.final
+class UploadManifestHeader(_message.Message):
+    """The first five fields of an UploadManifestRequest, read on their own: the coordinator
+    decides whether the sender is the rank it asked (and the size is allowed) from these,
+    before it decodes the manifest, which it then decodes off its event loop. Never sent
+    as such; it is how the server reads the front of an UploadManifestRequest.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    rank: _builtins.int
+    incarnation: _builtins.str
+    signature: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "job_id", b"job_id", "rank", b"rank", "round", b"round", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadManifestHeader: _TypeAlias = UploadManifestHeader  # noqa: Y015
+
+@_typing.final
 class Verdict(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
