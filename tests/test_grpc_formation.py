@@ -69,6 +69,28 @@ def test_mismatch_refuses_every_rank_with_the_same_report(coord: InProcessCoordi
     assert sum(r.manifest_requests for r in results) == 2  # one per distinct signature
 
 
+def test_a_heavy_decision_made_off_the_loop_gives_the_same_verdicts(
+    coord: InProcessCoordinator,
+) -> None:
+    """Cohorts above `offload_above` are decided in a worker thread, on a snapshot."""
+    ref, wide = manifest_of(4), manifest_of(8)
+    cohorts = {0: ref, 1: ref, 2: wide, 3: ref}
+    on_loop = run_cohort(coord.addr, "heavy", cohorts)
+    coord.running.coordinator.offload_above = 0  # every complete cohort is heavy now
+    off_loop = run_cohort(coord.addr, "heavy", cohorts)  # round 2 of the same job
+    formed = run_cohort(coord.addr, "heavy-formed", dict.fromkeys(range(3), ref))
+    offloaded = coord.call(
+        lambda: coord.running.coordinator.observer.metrics.offloaded._value.get()
+    )
+    assert offloaded >= 2, "both cohorts were decided in a worker thread"
+    for a, b in zip(on_loop, off_loop, strict=True):
+        assert a.verdict is not None and b.verdict is not None
+        assert b.verdict.round == 2
+        assert b.verdict.refusal.report == a.verdict.refusal.report.replace("round 1", "round 2")
+        assert b.verdict.refusal.classes == a.verdict.refusal.classes
+    assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in formed)
+
+
 def test_dtype_difference_is_refused(coord: InProcessCoordinator) -> None:
     ref, f64 = manifest_of(), manifest_of(dtype="float64")
     results = run_cohort(coord.addr, "job-dt", {0: ref, 1: f64})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -119,6 +120,36 @@ class CohortState:
     @property
     def complete(self) -> bool:
         return len(self.members) == self.world_size
+
+    @property
+    def pieces(self) -> int:
+        """Layout pieces declared by the members: what the coverage check walks."""
+        return sum(len(m.layout.pieces) for m in self.members.values() if m.layout is not None)
+
+    def fingerprint(self) -> tuple[int, ...]:
+        """Changes whenever anything a decision reads changes (membership and uploads)."""
+        return (
+            self.version,
+            len(self.manifests),
+            len(self.tensor_digests),
+            len(self.invalid_uploads),
+            len(self.intruders),
+        )
+
+    def snapshot(self) -> CohortState:
+        """A copy a worker thread can decide on while the loop goes on changing this one
+        (members, layouts and manifests themselves are not changed once added)."""
+        return dataclasses.replace(
+            self,
+            members=dict(self.members),
+            classes={k: set(v) for k, v in self.classes.items()},
+            manifests=dict(self.manifests),
+            invalid_uploads=dict(self.invalid_uploads),
+            tensor_digests=dict(self.tensor_digests),
+            departures=list(self.departures),
+            launches=dict(self.launches),
+            intruders=list(self.intruders),
+        )
 
 
 class Outcome(enum.StrEnum):

@@ -14,9 +14,9 @@ from coordinator.contract import ranges
 from coordinator.contract.errors import FailedPrecondition, Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import Manifest
-from coordinator.decision.cohort import Member, UploadKind
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.report import Verdict
+from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
+from coordinator.decision.formation import Decision, FormationOptions, decide
+from coordinator.decision.report import Verdict, build_verdict
 from coordinator.service.observers import Observer
 from coordinator.service.status import CohortSummary, summarize
 from coordinator.state.asks import UploadRef
@@ -53,6 +53,21 @@ class UploadAsk:
 
 
 JoinEvent = Progress | UploadAsk | Verdict
+# Above this many layout pieces (or manifest entries, when classes differ) a complete
+# cohort is decided in a worker thread: ~0.1 s of the loop's time at most.
+OFFLOAD_ABOVE = 20_000
+
+
+def _decide_and_build(
+    state: CohortState, now: float, options: FormationOptions
+) -> tuple[Decision, Verdict | None]:
+    """The decision and, when it decides, the verdict with its report (a worker's job)."""
+    decision = decide(state, now, options)
+    if decision.outcome is Outcome.WAITING:
+        return decision, None
+    return decision, build_verdict(state, decision, now, options.join_deadline_s)
+
+
 # Up to this world size every progress event is exact; above, it may be 0.25 s stale.
 PROGRESS_EXACT_UP_TO = 1024
 
@@ -70,6 +85,7 @@ class Coordinator:
         observer: Observer | None = None,
         limits: Limits | None = None,
         store: CohortStore | None = None,
+        offload_above: int = OFFLOAD_ABOVE,
     ) -> None:
         self.options = options or FormationOptions()
         self.observer = observer or Observer()
@@ -87,6 +103,10 @@ class Coordinator:
         self._timers: dict[tuple[str, int, str], asyncio.TimerHandle] = {}
         self._progress: dict[tuple[str, int], tuple[float, int, Progress]] = {}
         self._closing = False
+        # Cohorts being decided in a worker thread: True when they must be decided again.
+        self._deciding: dict[tuple[str, int], bool] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.offload_above = offload_above
         # Status watchers: each holds the (job, round) keys changed since it last looked.
         self._watchers: list[tuple[set[tuple[str, int]], asyncio.Event]] = []
 
@@ -375,7 +395,54 @@ class Coordinator:
 
     # -- decisions ---------------------------------------------------------------------
     def evaluate(self, cohort: LiveCohort) -> None:
-        decision = self.store.evaluate(cohort)
+        if self._heavy(cohort):
+            self._decide_off_loop(cohort)
+            return
+        self._after(cohort, self.store.evaluate(cohort))
+
+    def _heavy(self, cohort: LiveCohort) -> bool:
+        """A complete cohort whose decision walks many layout pieces (coverage) or diffs
+        large manifests: decided in a worker thread, so the loop keeps serving every other
+        job (a 1M-piece coverage check takes a minute)."""
+        state = cohort.state
+        if cohort.settled or not state.complete:
+            return False
+        if state.pieces > self.offload_above:
+            return True
+        return len(state.classes) > 1 and any(
+            len(m) > self.offload_above for m in state.manifests.values()
+        )
+
+    def _decide_off_loop(self, cohort: LiveCohort) -> None:
+        key = (cohort.job_id, cohort.round)
+        if key in self._deciding:
+            self._deciding[key] = True  # decide again once the running decision returns
+            return
+        self._deciding[key] = False
+        task = asyncio.get_running_loop().create_task(self._off_loop(cohort))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _off_loop(self, cohort: LiveCohort) -> None:
+        key = (cohort.job_id, cohort.round)
+        try:
+            while not cohort.settled and not self._closing:
+                self._deciding[key] = False
+                seen = cohort.state.fingerprint()
+                snapshot, now = cohort.state.snapshot(), self.clock()
+                self.observer.metrics.offloaded.inc()
+                decision, verdict = await asyncio.to_thread(
+                    _decide_and_build, snapshot, now, self.options
+                )
+                if cohort.state.fingerprint() != seen or self._deciding[key]:
+                    continue  # a join, a departure or an upload meanwhile: decide again
+                self._after(cohort, self.store.settle(cohort, decision, now, verdict))
+                return
+        finally:
+            self._deciding.pop(key, None)
+
+    def _after(self, cohort: LiveCohort, decision: Decision | None) -> None:
+        """What follows a decision: timers and asks while waiting; the verdict's fan-out."""
         if decision is None:
             return
         if cohort.verdict is None:

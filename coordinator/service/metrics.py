@@ -84,6 +84,11 @@ class Metrics:
             registry=r,
         )
 
+        self.offloaded = Counter(
+            "cohortgate_decisions_offloaded_total",
+            "Decisions made in a worker thread (large layouts or diffs), off the event loop.",
+            registry=r,
+        )
         self.history_errors = Counter(
             "cohortgate_history_errors_total",
             "Verdict history operations that failed (locked, full or unreadable file), by "

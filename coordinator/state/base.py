@@ -131,6 +131,17 @@ class CohortStore(abc.ABC):
         """Decide; a FORMED or REFUSED decision becomes the cohort's verdict."""
 
     @abc.abstractmethod
+    def settle(
+        self,
+        cohort: LiveCohort,
+        decision: Decision,
+        now: float,
+        verdict: Verdict | None = None,
+    ) -> Decision | None:
+        """Apply a decision made at `now` (off the loop, on a snapshot: see `snapshot`), with
+        its verdict if already built; None if the cohort was settled meanwhile."""
+
+    @abc.abstractmethod
     def holds(self, job_id: str) -> bool: ...
 
     @abc.abstractmethod

@@ -17,7 +17,7 @@ from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import Manifest
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
 from coordinator.decision.formation import Decision, FormationOptions, decide
-from coordinator.decision.report import build_verdict
+from coordinator.decision.report import Verdict, build_verdict
 from coordinator.state.asks import UploadRef, key_of, uploaded
 from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinResult, LiveCohort
 
@@ -277,13 +277,25 @@ class MemoryStore(CohortStore):
         if cohort.settled:
             return None
         now = self.clock()
-        decision = decide(cohort.state, now, self.options)
+        return self.settle(cohort, decide(cohort.state, now, self.options), now)
+
+    def settle(
+        self,
+        cohort: LiveCohort,
+        decision: Decision,
+        now: float,
+        verdict: Verdict | None = None,
+    ) -> Decision | None:
+        if cohort.settled:
+            return None
         if decision.outcome is Outcome.WAITING:
             # One representative per weights digest (its lowest rank) is asked for its list.
             for digest in decision.awaiting_digests:
                 cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest)
             return decision
-        cohort.verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
+        if verdict is None:
+            verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
+        cohort.verdict = verdict
         self.waiting_cohorts -= 1
         self.waiting_ranks -= len(cohort.state.members)
         job = self.jobs[cohort.job_id]
