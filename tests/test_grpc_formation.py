@@ -79,9 +79,7 @@ def test_a_heavy_decision_made_off_the_loop_gives_the_same_verdicts(
     coord.running.coordinator.offload_above = 0  # every complete cohort is heavy now
     off_loop = run_cohort(coord.addr, "heavy", cohorts)  # round 2 of the same job
     formed = run_cohort(coord.addr, "heavy-formed", dict.fromkeys(range(3), ref))
-    offloaded = coord.call(
-        lambda: coord.running.coordinator.observer.metrics.offloaded._value.get()
-    )
+    offloaded = coord.call(coord.running.coordinator.observer.metrics.offloaded._value.get)
     assert offloaded >= 2, "both cohorts were decided in a worker thread"
     for a, b in zip(on_loop, off_loop, strict=True):
         assert a.verdict is not None and b.verdict is not None
