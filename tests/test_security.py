@@ -19,6 +19,7 @@ from tests.helpers import (
     coordinator_process,
     join_request,
     manifest_of,
+    run_cohort,
 )
 
 TOKEN_A = "token-for-job-a-0123456789"
@@ -281,6 +282,38 @@ def test_limits_name_the_limit_and_its_value() -> None:
             [f.result(timeout=10) for f in held]
     finally:
         c.stop()
+
+
+@pytest.mark.timeout(120)
+def test_join_then_cancel_calls_do_not_keep_cohort_slots() -> None:
+    """3,000 joins cancelled at once, from 16 threads, each on its own connection, against
+    100 slots: a cohort whose every rank left frees its slot, so a new job forms at once."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = InProcessCoordinator(max_cohorts=100, join_deadline=60.0, progress_interval=0.2)
+    m = manifest_of()
+
+    def join_and_cancel(i: int) -> None:
+        with grpc.insecure_channel(c.addr) as channel:
+            call = pb_grpc.CohortServiceStub(channel).Join(
+                join_request(f"cancelled-{i}", 0, 2, m), timeout=30
+            )
+            time.sleep(0.002 * (i % 5))
+            call.cancel()
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(join_and_cancel, range(3000)))
+        started = time.monotonic()
+        results = run_cohort(c.addr, "after-the-storm", {0: m, 1: m}, timeout=10)
+        took = time.monotonic() - started
+        held = c.call(lambda: c.running.coordinator.store.waiting_cohorts)
+    finally:
+        c.stop()
+    assert all(r.verdict is not None for r in results), [r.error for r in results]
+    assert held == 0
+    print(f"a new job formed {took:.3f}s after 3,000 join-then-cancel calls")
 
 
 def test_non_loopback_needs_a_flag_and_warns_without_tls_or_tokens(tmp_path: Path) -> None:
