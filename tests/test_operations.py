@@ -23,6 +23,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.service.metrics import Metrics
 from tests.helpers import (
     REPO,
@@ -341,6 +343,37 @@ def test_logs_are_json_one_line_per_decision_reason_only_on_change(tmp_path: Pat
     assert decisions[0]["round"] == 1 and "timestamp" in decisions[0]
     waiting = [e["reason"] for e in mine if e["event"] == "waiting"]
     assert len(waiting) == len(set(waiting)), "a waiting reason is logged only when it changes"
+
+
+def test_watches_are_capped_and_a_change_wakes_only_its_jobs_watchers() -> None:
+    c = InProcessCoordinator(max_watchers_per_token=3, join_deadline=30.0, progress_interval=0.2)
+    m = manifest_of()
+    try:
+        with grpc.insecure_channel(c.addr) as channel:
+            stub = pb_grpc.StatusServiceStub(channel)
+            run_cohort(c.addr, "job-a", {0: m})  # so that each watch starts with one summary
+            watches = [
+                stub.WatchCohorts(pb.WatchCohortsRequest(job_id="job-a"), timeout=20)
+                for _ in range(3)
+            ]
+            for watch in watches:
+                next(watch)
+            with pytest.raises(grpc.RpcError) as err:
+                next(stub.WatchCohorts(pb.WatchCohortsRequest(job_id="job-a"), timeout=5))
+            run_cohort(c.addr, "job-b", {0: m, 1: m})
+            woken = c.call(
+                lambda: [
+                    (sorted(dirty), event.is_set())
+                    for dirty, event in c.running.coordinator._watchers["job-a"]
+                ]
+            )
+            for watch in watches:
+                watch.cancel()
+    finally:
+        c.stop()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_watchers_per_token=3" in (err.value.details() or "")
+    assert woken == [([], False)] * 3, "job B's changes woke job A's watchers"
 
 
 def test_status_and_watch_cli(coord: InProcessCoordinator) -> None:

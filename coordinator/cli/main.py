@@ -72,7 +72,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
-    for limit in ("message-bytes", "world-size", "manifest-entries", "cohorts", "waiting-ranks"):
+    limits = ("message-bytes", "world-size", "manifest-entries", "cohorts", "waiting-ranks")
+    for limit in (*limits, "watchers", "watchers-per-token"):
         p.add_argument(f"--max-{limit}", type=int, help=f"limit: max {limit.replace('-', ' ')}")
     # Every line says its default, taken from the one place defaults live.
     for action in p._actions:

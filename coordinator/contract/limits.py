@@ -14,3 +14,6 @@ class Limits:
     # Waiting cohorts and ranks across all jobs: what a flood of bogus joins can pin down.
     max_cohorts: int = 10_000
     max_waiting_ranks: int = 2_000_000
+    # WatchCohorts streams: each costs a wake-up per change of the jobs it watches.
+    max_watchers: int = 1_000
+    max_watchers_per_token: int = 100

@@ -82,6 +82,24 @@ async def _internal(
     )
 
 
+@contextlib.asynccontextmanager
+async def answering(
+    coordinator: Coordinator,
+    context: grpc.aio.ServicerContext,
+    method: str,
+    job_id: str = "",
+    **log_context: int,
+) -> AsyncIterator[None]:
+    """A call's log context, and its errors as status codes (a bug as INTERNAL)."""
+    with structlog.contextvars.bound_contextvars(job=job_id[:64], **log_context):
+        try:
+            yield
+        except CoordinatorError as exc:
+            await _abort(coordinator, context, method, exc)
+        except Exception as exc:
+            await _internal(coordinator, context, method, exc)
+
+
 def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]]:
     return [(m.key, m.value) for m in context.invocation_metadata() or ()]
 
@@ -128,7 +146,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         **log_context: int,
     ) -> AsyncIterator[pb.JoinEvent | bytes]:
         """One rank's join, or a relay's group: auth, validation, then the events."""
-        async with self._answering(context, method, job_id, **log_context):
+        async with answering(self.coordinator, context, method, job_id, **log_context):
             self.auth.check_job(_metadata(context), job_id)
             events = self.coordinator.join_group(
                 intents(),
@@ -143,7 +161,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     ) -> pb.UploadManifestResponse:
         """Who sends, and whether the size is allowed, from the request's first fields;
         only then is the manifest decoded and hashed, in a worker thread."""
-        async with self._answering(context, "UploadManifest"):
+        async with answering(self.coordinator, context, "UploadManifest"):
             head = rpc.upload_header(data, pb.UploadManifestRequest)
             structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
             self.auth.check_job(_metadata(context), head.job_id)
@@ -157,7 +175,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     async def UploadDigests(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:
-        async with self._answering(context, "UploadDigests"):
+        async with answering(self.coordinator, context, "UploadDigests"):
             head = rpc.upload_header(data, pb.UploadDigestsRequest)
             structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
             self.auth.check_job(_metadata(context), head.job_id)
@@ -167,19 +185,6 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
                     digests = await asyncio.to_thread(rpc.digests_of, data, self.limits)
                 self.coordinator.upload_digests(ref, digests)
         return pb.UploadDigestsResponse()
-
-    @contextlib.asynccontextmanager
-    async def _answering(
-        self, context: grpc.aio.ServicerContext, method: str, job_id: str = "", **log_context: int
-    ) -> AsyncIterator[None]:
-        """A call's log context, and its errors as status codes (a bug as INTERNAL)."""
-        with structlog.contextvars.bound_contextvars(job=job_id[:64], **log_context):
-            try:
-                yield
-            except CoordinatorError as exc:
-                await _abort(self.coordinator, context, method, exc)
-            except Exception as exc:
-                await _internal(self.coordinator, context, method, exc)
 
 
 class StatusServicer(pb_grpc.StatusServiceServicer):
@@ -232,8 +237,10 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
         self, request: pb.WatchCohortsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CohortSummary]:
         job_id = await self._scope(context, "WatchCohorts", request.job_id)
-        async for summary in self.coordinator.watch(job_id):
-            yield rpc.summary_to_pb(summary)
+        holder = self.auth.grant(_metadata(context)).scope
+        async with answering(self.coordinator, context, "WatchCohorts", job_id):
+            async for summary in self.coordinator.watch(job_id, holder):
+                yield rpc.summary_to_pb(summary)
 
     async def GetVerdict(
         self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext

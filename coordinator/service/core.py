@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.contract import ranges
-from coordinator.contract.errors import FailedPrecondition, Unavailable
+from coordinator.contract.errors import FailedPrecondition, LimitExceeded, Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import Manifest
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
@@ -108,7 +108,10 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self.offload_above = offload_above
         # Status watchers: each holds the (job, round) keys changed since it last looked.
-        self._watchers: list[tuple[set[tuple[str, int]], asyncio.Event]] = []
+        # job filter ("" for every job) -> its watchers; watches open per holder
+        self._watchers: dict[str, list[tuple[set[tuple[str, int]], asyncio.Event]]] = {}
+        self._watching: dict[str, int] = {}
+        self.limits = limits or Limits()
 
     # -- joining -----------------------------------------------------------------------
     async def join(
@@ -519,15 +522,19 @@ class Coordinator:
     def find(self, job_id: str, round_: int = 0) -> LiveCohort | None:
         return self.store.find(job_id, round_)
 
-    async def watch(self, job_id: str = "") -> AsyncIterator[CohortSummary]:
-        """Every matching cohort now, then each one again whenever it changes."""
-        for summary in self.summaries(job_id):
-            yield summary
+    async def watch(self, job_id: str = "", holder: str = "") -> AsyncIterator[CohortSummary]:
+        """Every matching cohort now, then each one again whenever it changes (changes
+        coalesced per wake-up). `holder` names who watches (a token's scope) for the
+        per-token limit; a change wakes only the watchers of its job (and of all jobs)."""
+        self._check_watch_limits(holder)
         dirty: set[tuple[str, int]] = set()
         event = asyncio.Event()
         entry = (dirty, event)
-        self._watchers.append(entry)
+        self._watchers.setdefault(job_id, []).append(entry)
+        self._watching[holder] = self._watching.get(holder, 0) + 1
         try:
+            for summary in self.summaries(job_id):
+                yield summary
             while not self._closing:
                 await event.wait()
                 event.clear()
@@ -536,15 +543,36 @@ class Coordinator:
                 now = self.clock()
                 for job, round_ in keys:
                     cohort = self.find(job, round_)
-                    if cohort is not None and (not job_id or job == job_id):
+                    if cohort is not None:
                         yield summarize(cohort, now, self.options)
         finally:
-            self._watchers.remove(entry)
+            self._watchers[job_id].remove(entry)
+            if not self._watchers[job_id]:
+                del self._watchers[job_id]
+            self._watching[holder] -= 1
+            if not self._watching[holder]:
+                del self._watching[holder]
+
+    def _check_watch_limits(self, holder: str) -> None:
+        watching = sum(self._watching.values())
+        if watching >= self.limits.max_watchers:
+            raise LimitExceeded(
+                f"{watching} status watches are open, the limit max_watchers="
+                f"{self.limits.max_watchers}; close one (or poll ListCohorts)"
+            )
+        mine = self._watching.get(holder, 0)
+        if mine >= self.limits.max_watchers_per_token:
+            raise LimitExceeded(
+                f"this token holds {mine} status watches, the limit "
+                f"max_watchers_per_token={self.limits.max_watchers_per_token}"
+            )
 
     def _changed(self, cohort: LiveCohort) -> None:
-        for dirty, event in self._watchers:
-            dirty.add((cohort.job_id, cohort.round))
-            event.set()
+        key = (cohort.job_id, cohort.round)
+        for job in (cohort.job_id, ""):
+            for dirty, event in self._watchers.get(job, ()):
+                dirty.add(key)
+                event.set()
 
     # -- shutdown ----------------------------------------------------------------------
     def close(self) -> None:
@@ -555,5 +583,6 @@ class Coordinator:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
-        for _, event in self._watchers:
-            event.set()
+        for watchers in self._watchers.values():
+            for _, event in watchers:
+                event.set()
