@@ -89,6 +89,29 @@ def test_a_heavy_decision_made_off_the_loop_gives_the_same_verdicts(
     assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in formed)
 
 
+def test_a_silent_manifest_holder_is_passed_over_for_another_rank_of_its_signature(
+    coord: InProcessCoordinator,
+) -> None:
+    """Rank 0 joins first (so it is asked for the manifest) and never answers; rank 1 of
+    the same signature is asked after ASK_AGAIN_S and the cohort forms verified, long
+    before the 30 s manifest timeout."""
+    m = manifest_of()
+    silent = join_request("silent", 0, 3, m)
+    with grpc.insecure_channel(coord.addr) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        events = iter(stub.Join(silent, timeout=60))
+        first = next(events)
+        assert first.WhichOneof("event") == "manifest_request"  # asked, and ignores it
+        started = time.monotonic()
+        others = run_cohort(coord.addr, "silent", {1: m, 2: m}, world=3, timeout=60)
+        took = time.monotonic() - started
+        verdict = next(e for e in events if e.WhichOneof("event") == "verdict").verdict
+    assert verdict.outcome == FORMED
+    assert verdict.reason == "[3/3 ranks joined, 1 signature]", "verified, not unverified"
+    assert [r.manifest_requests for r in others] == [1, 0]
+    assert took < 15, f"formed after {took:.1f}s: the silent holder held the cohort"
+
+
 def test_dtype_difference_is_refused(coord: InProcessCoordinator) -> None:
     ref, f64 = manifest_of(), manifest_of(dtype="float64")
     results = run_cohort(coord.addr, "job-dt", {0: ref, 1: f64})

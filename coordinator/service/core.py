@@ -53,6 +53,10 @@ class UploadAsk:
 
 
 JoinEvent = Progress | UploadAsk | Verdict
+# An upload asked for and not received within this time is asked of another rank of the
+# same class: a 1M-entry manifest takes ~1 s to encode and send; 5 s is a rank not answering.
+ASK_AGAIN_S = 5.0
+
 # Above this many layout pieces (or manifest entries, when classes differ) a complete
 # cohort is decided in a worker thread: ~0.1 s of the loop's time at most.
 OFFLOAD_ABOVE = 20_000
@@ -321,7 +325,7 @@ class Coordinator:
 
     def _settle(self, cohort: LiveCohort) -> None:
         """A cohort stops waiting (decided or abandoned): its timers and progress go."""
-        for label in ("deadline", "uploads"):
+        for label in ("deadline", "uploads", "asks"):
             timer = self._timers.pop((cohort.job_id, cohort.round, label), None)
             if timer is not None:
                 timer.cancel()
@@ -472,6 +476,9 @@ class Coordinator:
                 self._schedule(
                     cohort, "uploads", cohort.state.complete_at + self.options.manifest_timeout_s
                 )
+            oldest = cohort.asks.oldest()
+            if oldest is not None:
+                self._schedule(cohort, "asks", oldest + ASK_AGAIN_S, self._ask_again)
             return
         verdict = cohort.verdict
         log.info(
@@ -489,21 +496,42 @@ class Coordinator:
         self.observer.decided(cohort)
         self._changed(cohort)
 
+    def _ask_again(self, cohort: LiveCohort) -> None:
+        """Unanswered asks go to another rank of their class."""
+        for member in self.store.rotate_asks(cohort, ASK_AGAIN_S):
+            log.info(
+                "asking another rank",
+                job=cohort.job_id,
+                round=cohort.round,
+                rank=member.rank,
+                reason=f"no upload within {ASK_AGAIN_S:g}s from the rank asked before",
+            )
+            self._poke(cohort, member)
+        self.evaluate(cohort)
+
     def _poke(self, cohort: LiveCohort, member: Member) -> None:
         event = self._pokes.get(ref_of(cohort, member))
         if event is not None:
             event.set()
 
-    def _schedule(self, cohort: LiveCohort, label: str, at: float) -> None:
-        """Re-evaluate the cohort at wall time `at`; one pending timer per (cohort, label)."""
+    def _schedule(
+        self,
+        cohort: LiveCohort,
+        label: str,
+        at: float,
+        then: Callable[[LiveCohort], None] | None = None,
+    ) -> None:
+        """Call `then` (evaluate the cohort, by default) at wall time `at`; one pending
+        timer per (cohort, label)."""
         key = (cohort.job_id, cohort.round, label)
         if key in self._timers:
             return
         delay = max(at - self.clock(), 0.0) + 0.05
+        action = then or self.evaluate
 
         def fire() -> None:
             self._timers.pop(key, None)
-            self.evaluate(cohort)
+            action(cohort)
 
         self._timers[key] = asyncio.get_running_loop().call_later(delay, fire)
 

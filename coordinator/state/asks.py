@@ -26,6 +26,7 @@ class Ask:
     key: bytes  # the class: a signature (manifest) or a weights digest (digests)
     rank: int
     incarnation: str
+    at: float = 0.0  # when this rank was asked
 
 
 def key_of(member: Member, kind: UploadKind) -> bytes:
@@ -37,6 +38,12 @@ def uploaded(state: CohortState, kind: UploadKind, key: bytes) -> bool:
     if kind is UploadKind.MANIFEST:
         return key in state.manifests
     return key in state.tensor_digests
+
+
+def _ranks_of(state: CohortState, kind: UploadKind, key: bytes) -> list[int] | set[int]:
+    if kind is UploadKind.MANIFEST:
+        return state.classes.get(key, set())
+    return [r for r, m in state.members.items() if m.weights_digest == key]
 
 
 class Asks:
@@ -51,7 +58,12 @@ class Asks:
         return member if member is not None and member.incarnation == ask.incarnation else None
 
     def ask(
-        self, state: CohortState, kind: UploadKind, key: bytes, prefer: Member | None = None
+        self,
+        state: CohortState,
+        kind: UploadKind,
+        key: bytes,
+        prefer: Member | None = None,
+        now: float = 0.0,
     ) -> Ask | None:
         """Make sure some live member of the class is asked (`prefer`, else its lowest rank);
         returns the ask, or None when the upload is in or no member holds the class."""
@@ -62,18 +74,37 @@ class Asks:
             return current
         member = prefer if prefer is not None and key_of(prefer, kind) == key else None
         if member is None:
-            ranks = (
-                state.classes.get(key, ())
-                if kind is UploadKind.MANIFEST
-                else [r for r, m in state.members.items() if m.weights_digest == key]
-            )
+            ranks = _ranks_of(state, kind, key)
             if not ranks:
                 self._open.pop((kind, key), None)
                 return None
             member = state.members[min(ranks)]
-        made = Ask(kind, key, member.rank, member.incarnation)
+        made = Ask(kind, key, member.rank, member.incarnation, now)
         self._open[(kind, key)] = made
         return made
+
+    def rotate(self, state: CohortState, now: float, after_s: float) -> list[Member]:
+        """Asks unanswered for `after_s` go to the next rank of their class (by rank, round
+        the class): a silent holder (hung, slow, lost its call) does not hold the cohort
+        until the manifest timeout while other ranks could answer. A late answer from the
+        one asked before is still taken. Returns the members newly asked."""
+        asked = []
+        for (kind, key), ask in list(self._open.items()):
+            if now - ask.at < after_s or uploaded(state, kind, key):
+                continue
+            ranks = sorted(_ranks_of(state, kind, key))
+            later = [r for r in ranks if r > ask.rank]
+            nxt = later[0] if later else ranks[0] if ranks else ask.rank
+            if nxt == ask.rank:
+                continue  # the class's only rank: nobody else can answer
+            member = state.members[nxt]
+            self._open[(kind, key)] = Ask(kind, key, nxt, member.incarnation, now)
+            asked.append(member)
+        return asked
+
+    def oldest(self) -> float | None:
+        """When the longest-open ask was made (None when none is open)."""
+        return min((a.at for a in self._open.values()), default=None)
 
     def of(self, member: Member) -> list[Ask]:
         """The asks `member` holds (O(1): one lookup per kind)."""
@@ -93,7 +124,7 @@ class Asks:
         successors = []
         for ask in self.of(member):
             del self._open[(ask.kind, ask.key)]
-            again = self.ask(state, ask.kind, ask.key)
+            again = self.ask(state, ask.kind, ask.key, now=ask.at)
             if again is not None:
                 successors.append(state.members[again.rank])
         return successors

@@ -142,6 +142,11 @@ class CohortStore(abc.ABC):
         its verdict if already built; None if the cohort was settled meanwhile."""
 
     @abc.abstractmethod
+    def rotate_asks(self, cohort: LiveCohort, after_s: float) -> list[Member]:
+        """Asks unanswered for `after_s` go to another rank of their class; returns the
+        members newly asked."""
+
+    @abc.abstractmethod
     def holds(self, job_id: str) -> bool: ...
 
     @abc.abstractmethod

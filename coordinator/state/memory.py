@@ -104,7 +104,7 @@ class MemoryStore(CohortStore):
             self.waiting_cohorts += 1
         state.add(member, now)
         # The first rank of each signature is asked for its manifest at once.
-        cohort.asks.ask(state, UploadKind.MANIFEST, member.signature, prefer=member)
+        cohort.asks.ask(state, UploadKind.MANIFEST, member.signature, prefer=member, now=now)
         return JoinResult(cohort, member, opened=opened)
 
     def _check_limits(self, opening: bool) -> None:
@@ -291,7 +291,7 @@ class MemoryStore(CohortStore):
         if decision.outcome is Outcome.WAITING:
             # One representative per weights digest (its lowest rank) is asked for its list.
             for digest in decision.awaiting_digests:
-                cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest)
+                cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest, now=now)
             return decision
         if verdict is None:
             verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
@@ -334,6 +334,11 @@ class MemoryStore(CohortStore):
         cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
         cohort.asks.done(UploadKind.DIGESTS, member.weights_digest)
         return cohort
+
+    def rotate_asks(self, cohort: LiveCohort, after_s: float) -> list[Member]:
+        if cohort.settled:
+            return []
+        return cohort.asks.rotate(cohort.state, self.clock(), after_s)
 
     def holds(self, job_id: str) -> bool:
         return job_id in self.jobs
