@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator.contract import ranges
 from coordinator.contract.manifest import Entry, Kind, Manifest
@@ -164,3 +166,16 @@ def test_ranges_round_trip(ranks: list[int], text: str) -> None:
 def test_capped_ranges_count_the_rest() -> None:
     text = ranges.compress_capped(range(0, 100, 2), max_runs=3)
     assert text == "0,2,4 and 47 more runs"
+
+
+@given(
+    st.sets(st.integers(min_value=0, max_value=199), max_size=200),
+    st.integers(min_value=1, max_value=200),
+    st.integers(min_value=1, max_value=30),
+)
+def test_missing_text_from_the_present_ranks_matches_the_brute_force(
+    present: set[int], world: int, cap: int
+) -> None:
+    present = {r for r in present if r < world}
+    expected = ranges.compress_capped(ranges.missing(present, world), cap)
+    assert ranges.missing_text(present, world, cap) == expected

@@ -50,3 +50,20 @@ def missing(present: Iterable[int], world_size: int) -> list[int]:
     """Ranks in [0, world_size) not in `present`."""
     have = set(present)
     return [r for r in range(world_size) if r not in have]
+
+
+def missing_text(present: Iterable[int], world_size: int, max_runs: int = 20) -> str:
+    """compress_capped(missing(present, world_size)) in O(present log present), not
+    O(world_size): the gaps between present ranks are the missing runs. A 2^20-rank cohort
+    with one rank joined costs one gap, not a million-element list."""
+    runs: list[str] = []
+    total = 0
+    expected = 0
+    for r in [*sorted(set(present)), world_size]:
+        if r > expected:
+            total += 1
+            if len(runs) < max_runs:
+                runs.append(f"{expected}-{r - 1}" if r - 1 > expected else str(expected))
+        expected = r + 1
+    text = ",".join(runs)
+    return text if total <= max_runs else f"{text} and {total - max_runs} more runs"

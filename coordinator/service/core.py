@@ -355,7 +355,7 @@ class Coordinator:
             or (state.world_size > PROGRESS_EXACT_UP_TO and now - cached[0] < 0.25)
         ):
             return cached[2]
-        missing = ranges.compress_capped(ranges.missing(state.members, state.world_size))
+        missing = ranges.missing_text(state.members, state.world_size)
         joined, n = len(state.members), state.world_size
         message = f"{joined}/{n} ranks joined"
         if missing:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from coordinator.contract import ranges
 from coordinator.decision.cohort import Cause
 from coordinator.decision.formation import FormationOptions
 from coordinator.state.base import LiveCohort
@@ -47,11 +46,11 @@ def summarize(cohort: LiveCohort, now: float, options: FormationOptions) -> Coho
     verdict = cohort.verdict
     if verdict is None:
         joined = len(state.members)
-        missing = ranges.compress_capped(ranges.missing(state.members, state.world_size))
+        missing = cohort.missing_text()
         reason = cohort.last_reason
     else:
         joined = len(state.members)
-        missing = ranges.compress_capped(verdict.missing_ranks)
+        missing = cohort.missing_text()
         reason = verdict.reason
     return CohortSummary(
         job_id=cohort.job_id,

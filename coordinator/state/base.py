@@ -11,6 +11,7 @@ import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from coordinator.contract import ranges
 from coordinator.contract.errors import InvalidArgument
 from coordinator.contract.manifest import Manifest
 from coordinator.decision.cohort import CohortState, Member, UploadKind
@@ -49,6 +50,21 @@ class LiveCohort:
     last_reason: str = ""  # the decision's reason as it was last evaluated
     last_reason_kind: str = ""  # the same with digits masked: logged when it changes
     abandoned_at: float | None = None  # every rank left before a verdict
+
+    # (state version or -1 once decided, the missing ranks as text): status reads are O(1)
+    _missing: tuple[int, str] = (-2, "")
+
+    def missing_text(self) -> str:
+        """The missing ranks, compressed and capped; recomputed only when membership changes
+        (O(joined), never O(world size))."""
+        key = -1 if self.verdict is not None else self.state.version
+        if self._missing[0] != key:
+            if self.verdict is not None:
+                text = ranges.compress_capped(self.verdict.missing_ranks)
+            else:
+                text = ranges.missing_text(self.state.members, self.state.world_size)
+            self._missing = (key, text)
+        return self._missing[1]
 
     @property
     def settled(self) -> bool:
