@@ -50,23 +50,31 @@ def _serializer(cls: Any) -> Callable[[Any], bytes]:
 # handlers receive the raw bytes and decide who sent them, and whether the size is allowed,
 # before decoding the payload, which they do off the event loop.
 RAW_REQUESTS = frozenset({"UploadManifest", "UploadDigests"})
+# The coordinator also takes joins as bytes: one with a 100k-piece layout is decoded and
+# validated off the loop (small ones, nearly all, inline).
+RAW_JOINS = RAW_REQUESTS | {"Join", "JoinGroup"}
 
 
 def _raw(data: bytes) -> bytes:
     return data
 
 
-def add_service(server: grpc.aio.Server, service_name: str, servicer: Any) -> None:
+def add_service(
+    server: grpc.aio.Server,
+    service_name: str,
+    servicer: Any,
+    raw: frozenset[str] = RAW_REQUESTS,
+) -> None:
     """Register `servicer` for a cohortgate.v1 service with deserialisers that never raise:
     bytes that are not a protobuf message get INVALID_ARGUMENT, not grpc's INTERNAL. The
-    RAW_REQUESTS methods get their request as bytes."""
+    methods named in `raw` get their request as bytes."""
     descriptor = pb.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for method in descriptor.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         behavior = getattr(servicer, method.name)
-        parse = _raw if method.name in RAW_REQUESTS else _safe_deserializer(request_cls)
+        parse = _raw if method.name in raw else _safe_deserializer(request_cls)
         if method.server_streaming:
 
             async def stream(request: Any, context: Any, behavior: Any = behavior) -> Any:
@@ -77,7 +85,7 @@ def add_service(server: grpc.aio.Server, service_name: str, servicer: Any) -> No
 
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 stream,
-                request_deserializer=_safe_deserializer(request_cls),
+                request_deserializer=parse,
                 response_serializer=_serializer(response_cls),
             )
         else:

@@ -4,6 +4,7 @@ and history records out. The agent-safe part (manifests, layouts) is `codec.wire
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from google.protobuf.message import Message
 
@@ -340,6 +341,27 @@ def event_to_pb(event: JoinEvent) -> pb.JoinEvent | bytes:
     )
 
 
+def _parsed(cls: type[Message], data: bytes) -> Any:
+    message = parse_request(cls, data)
+    if isinstance(message, Malformed):
+        raise InvalidArgument(message.message)
+    return message
+
+
+def join_intents(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, list[JoinIntent]]:
+    """A Join request's bytes: its job id, and its one validated intent."""
+    req: pb.JoinRequest = _parsed(pb.JoinRequest, data)
+    return req.job_id, [join_intent(req, limits)]
+
+
+def group_join_intents(
+    data: bytes, limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, list[JoinIntent]]:
+    """A JoinGroup request's bytes: its job id, and every member's validated intent."""
+    req: pb.JoinGroupRequest = _parsed(pb.JoinGroupRequest, data)
+    return (req.members[0].job_id if req.members else ""), group_intents(req, limits)
+
+
 def upload_header(data: bytes, sent: type[Message]) -> pb.UploadManifestHeader:
     """The first fields of an upload (UploadManifestRequest or UploadDigestsRequest share
     them), read without decoding its payload; errors name the message `sent`."""
@@ -351,18 +373,14 @@ def upload_header(data: bytes, sent: type[Message]) -> pb.UploadManifestHeader:
 
 def manifest_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Manifest:
     """The whole upload decoded, validated and hashed (in a worker thread: O(entries))."""
-    req = parse_request(pb.UploadManifestRequest, data)
-    if isinstance(req, Malformed):
-        raise InvalidArgument(req.message)
+    req: pb.UploadManifestRequest = _parsed(pb.UploadManifestRequest, data)
     manifest = manifest_from_pb(req.manifest, limits)
     manifest.signature()  # cached: the event loop only compares it
     return manifest
 
 
 def digests_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:
-    req = parse_request(pb.UploadDigestsRequest, data)
-    if isinstance(req, Malformed):
-        raise InvalidArgument(req.message)
+    req: pb.UploadDigestsRequest = _parsed(pb.UploadDigestsRequest, data)
     if len(req.digests) > limits.max_manifest_entries:
         raise LimitExceeded(
             f"{len(req.digests)} digests; the limit is "

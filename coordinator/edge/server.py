@@ -17,7 +17,7 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.edge.auth import Auth, TokenStore
 from coordinator.edge.config import ServeConfig
 from coordinator.edge.http import MetricsServer
-from coordinator.edge.plumbing import add_service
+from coordinator.edge.plumbing import RAW_JOINS, add_service
 from coordinator.edge.ports import BindError, bind, check_free
 from coordinator.edge.servicer import CohortServicer, StatusServicer
 from coordinator.service.core import Coordinator
@@ -117,7 +117,7 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             ("grpc.server_max_unrequested_time_in_server", 600),
         ]
     )
-    add_service(server, "CohortService", CohortServicer(coordinator, auth, limits))
+    add_service(server, "CohortService", CohortServicer(coordinator, auth, limits), RAW_JOINS)
     add_service(server, "StatusService", StatusServicer(coordinator, auth))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
