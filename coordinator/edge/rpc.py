@@ -362,10 +362,49 @@ def group_join_intents(
     return (req.members[0].job_id if req.members else ""), group_intents(req, limits)
 
 
+def _front(data: bytes, fields: int) -> bytes:
+    """The bytes of `data` up to its first field numbered above `fields` (protobuf encoders
+    write fields in number order; a message that does not is read whole)."""
+    pos, end = 0, len(data)
+    while pos < end:
+        start = pos
+        tag, pos = _varint(data, pos)
+        if pos > end or tag >> 3 == 0:
+            return data  # not protobuf: let the parser say so
+        if tag >> 3 > fields:
+            return data[:start]
+        wire = tag & 7
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            pos += length
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            return data  # groups: let the parser judge
+    return data
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while pos < len(data) and shift < 64:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return value, len(data) + 1  # truncated: the parser reports it
+
+
 def upload_header(data: bytes, sent: type[Message]) -> pb.UploadManifestHeader:
     """The first fields of an upload (UploadManifestRequest or UploadDigestsRequest share
-    them), read without decoding its payload; errors name the message `sent`."""
-    head = parse_request(pb.UploadManifestHeader, data)
+    fields 1-4; 5 is the manifest's signature), read from the front of the bytes only: the
+    payload is neither decoded nor copied. Errors name the message `sent`."""
+    head = parse_request(
+        pb.UploadManifestHeader, _front(data, 5 if sent is pb.UploadManifestRequest else 4)
+    )
     if isinstance(head, Malformed):
         raise InvalidArgument(head.message.replace("UploadManifestHeader", sent.__name__))
     return head  # type: ignore[no-any-return]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -33,6 +34,7 @@ from coordinator.state.base import JoinIntent
 log = structlog.get_logger("cohortgate")
 
 DECODES = 2
+_T = TypeVar("_T")
 # Requests up to this size are decoded on the loop (a join without a big layout: ~1 KB).
 INLINE_DECODE_BYTES = 64 * 1024
 
@@ -128,9 +130,13 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         return self._join(context, "JoinGroup", data)
 
     async def _intents(self, method: str, data: bytes) -> tuple[str, list[JoinIntent]]:
-        """The request decoded and validated: inline when small (nearly every join), in a
-        worker thread when large (a layout of 100k pieces is seconds of Python)."""
         decode = rpc.join_intents if method == "Join" else rpc.group_join_intents
+        return await self._decoded(decode, data)
+
+    async def _decoded(self, decode: Callable[[bytes, Limits], _T], data: bytes) -> _T:
+        """A request decoded and validated: inline when small (nearly every call), in a
+        worker thread when large (a 1M-entry manifest, a 100k-piece layout: seconds of
+        Python), two at a time."""
         if len(data) <= INLINE_DECODE_BYTES:
             return decode(data, self.limits)
         async with self._decoding:
@@ -167,8 +173,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             self.auth.check_job(_metadata(context), head.job_id)
             ref, signature = rpc.upload_ref(head), sha256(head.signature, "signature")
             if self.coordinator.wants_upload(ref, UploadKind.MANIFEST, signature, len(data)):
-                async with self._decoding:
-                    manifest = await asyncio.to_thread(rpc.manifest_of, data, self.limits)
+                manifest = await self._decoded(rpc.manifest_of, data)
                 self.coordinator.upload(ref, manifest, signature, size=len(data))
         return pb.UploadManifestResponse()
 
@@ -181,8 +186,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             self.auth.check_job(_metadata(context), head.job_id)
             ref = rpc.upload_ref(head)
             if self.coordinator.wants_upload(ref, UploadKind.DIGESTS, b"", len(data)):
-                async with self._decoding:
-                    digests = await asyncio.to_thread(rpc.digests_of, data, self.limits)
+                digests = await self._decoded(rpc.digests_of, data)
                 self.coordinator.upload_digests(ref, digests)
         return pb.UploadDigestsResponse()
 

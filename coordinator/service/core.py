@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import structlog
@@ -60,6 +62,19 @@ ASK_AGAIN_S = 5.0
 # Above this many layout pieces (or manifest entries, when classes differ) a complete
 # cohort is decided in a worker thread: ~0.1 s of the loop's time at most.
 OFFLOAD_ABOVE = 20_000
+
+
+_WORKERS: ProcessPoolExecutor | None = None
+
+
+def _workers() -> ProcessPoolExecutor:
+    """A process for heavy decisions: a thread would hold the GIL for the whole check (a
+    minute for 1M pieces) and starve the event loop. Spawned, not forked: the gRPC server's
+    threads must not be copied. Started at the first heavy decision."""
+    global _WORKERS  # noqa: PLW0603 (one pool per process, made on first use)
+    if _WORKERS is None:
+        _WORKERS = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+    return _WORKERS
 
 
 def _decide_and_build(
@@ -438,8 +453,8 @@ class Coordinator:
                 seen = cohort.state.fingerprint()
                 snapshot, now = cohort.state.snapshot(), self.clock()
                 self.observer.metrics.offloaded.inc()
-                decision, verdict = await asyncio.to_thread(
-                    _decide_and_build, snapshot, now, self.options
+                decision, verdict = await asyncio.get_running_loop().run_in_executor(
+                    _workers(), _decide_and_build, snapshot, now, self.options
                 )
                 if cohort.state.fingerprint() != seen or self._deciding[key]:
                     continue  # a join, a departure or an upload meanwhile: decide again
