@@ -7,7 +7,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 LAYOUT_FORMAT_VERSION = 1
 AXES = ("tp", "cp", "ep", "dp", "pp")
@@ -54,10 +54,12 @@ def position_from_rank(
     return position
 
 
-@dataclass(frozen=True)
-class ShardPiece:
+class ShardPiece(NamedTuple):
     """The part of logical tensor `tensor` (of logical `shape`) that this rank holds, as a
-    box; `replicated` pieces are held identically by several ranks of one replica."""
+    box; `replicated` pieces are held identically by several ranks of one replica. A tuple
+    of atoms, not a dataclass: the garbage collector stops tracking it, so a coordinator
+    holding a million pieces does not walk them on every collection (each walk held the
+    GIL and stalled the event loop)."""
 
     tensor: str
     shape: tuple[int, ...]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -216,6 +217,11 @@ async def serve(config: ServeConfig, on_ready: Callable[[int], None] | None = No
     # Worker threads (decoding a large upload or join) hand the GIL back to the event loop
     # every millisecond, not every 5: gRPC health stays fast while they run.
     sys.setswitchinterval(0.001)
+    # A collection walks every tracked object with the GIL held: with a million layout
+    # pieces or manifest entries alive, the default thresholds (700 allocations) ran one
+    # every few milliseconds of a large decode. Collect rarely; what start-up made, never.
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
     running = await start(config)
     if on_ready is not None:
         on_ready(running.port)
