@@ -77,3 +77,27 @@ def test_digests_that_do_not_combine_refuse_as_digests_not_as_a_manifest() -> No
     assert "manifest" not in verdict.reason
     assert "uploaded digests did not match what it joined with" in verdict.report
     assert verdict.headline.startswith("the per-tensor digests uploaded by rank 2")
+
+
+def test_a_rejoin_naming_an_abandoned_round_is_over_once_the_next_round_is_decided() -> None:
+    from coordinator.contract.errors import FailedPrecondition
+
+    store = MemoryStore(FormationOptions(), clock=lambda: 100.0)
+
+    def member(rank: int, incarnation: str) -> Member:
+        return Member(rank, "h", 1, incarnation, MANIFEST.signature(), 1)
+
+    old = member(0, "old")
+    store.join(JoinIntent("j", 0, old, 1))
+    first = store.find("j")
+    assert first is not None
+    store.leave(first, old)
+    assert store.abandon(first)  # round 1: every rank left
+    again = member(0, "second")
+    store.join(JoinIntent("j", 1, again, 1))  # names round 1: takes part in round 2
+    second = store.find("j")
+    assert second is not None and second.round == 2
+    store.upload(UploadRef("j", 2, 0, "second"), MANIFEST, MANIFEST.signature())
+    assert store.evaluate(second) is not None and second.verdict is not None  # formed
+    with pytest.raises(FailedPrecondition, match="round 1 of job 'j' is over"):
+        store.join(JoinIntent("j", 1, member(0, "third"), 1))

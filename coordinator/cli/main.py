@@ -73,7 +73,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
     limits = ("message-bytes", "world-size", "manifest-entries", "cohorts", "waiting-ranks")
-    for limit in (*limits, "watchers", "watchers-per-token"):
+    for limit in (
+        *limits,
+        "cohort-manifest-bytes",
+        "manifest-bytes",
+        "watchers",
+        "watchers-per-token",
+    ):
         p.add_argument(f"--max-{limit}", type=int, help=f"limit: max {limit.replace('-', ' ')}")
     # Every line says its default, taken from the one place defaults live.
     for action in p._actions:

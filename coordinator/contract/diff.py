@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coordinator.contract.manifest import Entry, Manifest
+from coordinator.contract.manifest import Entry, ManifestLike
 
 # Lists in the rendering stop here; a 4,096-layer model need not print 4,096 lines.
 LIST_CAP = 20
@@ -241,7 +241,7 @@ def _order_changes(ref: Sequence[Entry], oth: Sequence[Entry]) -> list[OrderChan
     return out
 
 
-def diff(reference: Manifest, other: Manifest) -> ManifestDiff:
+def diff(reference: ManifestLike, other: ManifestLike) -> ManifestDiff:
     """Compare `other` against `reference`: what is missing, extra, changed or reordered."""
     ref, oth = reference.entries, other.entries
     first = _first_difference(ref, oth)

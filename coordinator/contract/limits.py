@@ -14,6 +14,10 @@ class Limits:
     # Waiting cohorts and ranks across all jobs: what a flood of bogus joins can pin down.
     max_cohorts: int = 10_000
     max_waiting_ranks: int = 2_000_000
+    # Manifests held while cohorts form (upload bytes; each is kept compressed and dropped
+    # at the verdict): per cohort (one per distinct signature) and in all.
+    max_cohort_manifest_bytes: int = 256 * 1024 * 1024
+    max_manifest_bytes: int = 1024 * 1024 * 1024
     # WatchCohorts streams: each costs a wake-up per change of the jobs it watches.
     max_watchers: int = 1_000
     max_watchers_per_token: int = 100

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from coordinator.contract import ranges
 from coordinator.contract.layout import Layout
-from coordinator.contract.manifest import Manifest
+from coordinator.contract.manifest import ManifestLike
 
 
 class UploadKind(enum.StrEnum):
@@ -67,7 +67,7 @@ class CohortState:
     members: dict[int, Member] = field(default_factory=dict)
     # signature -> ranks holding it, kept up to date so a decision never regroups N ranks.
     classes: dict[bytes, set[int]] = field(default_factory=dict)
-    manifests: dict[bytes, Manifest] = field(default_factory=dict)
+    manifests: dict[bytes, ManifestLike] = field(default_factory=dict)
     # (kind, key) -> why an upload was rejected: a manifest that did not hash to its
     # signature, per-tensor digests that did not combine to their weights digest
     invalid_uploads: dict[tuple[UploadKind, bytes], str] = field(default_factory=dict)

@@ -79,6 +79,12 @@ class ServeConfig(BaseModel):
     max_manifest_entries: int = Field(1_000_000, gt=0)
     max_cohorts: int = Field(10_000, gt=0, description="waiting cohorts across all jobs")
     max_waiting_ranks: int = Field(2_000_000, gt=0, description="waiting ranks across all jobs")
+    max_cohort_manifest_bytes: int = Field(
+        256 * 1024 * 1024, gt=0, description="manifest bytes one forming cohort may hold"
+    )
+    max_manifest_bytes: int = Field(
+        1024 * 1024 * 1024, gt=0, description="manifest bytes all forming cohorts may hold"
+    )
     max_watchers: int = Field(1_000, gt=0, description="open WatchCohorts streams in all")
     max_watchers_per_token: int = Field(
         100, gt=0, description="open WatchCohorts streams per token (per job scope)"
@@ -116,6 +122,8 @@ class ServeConfig(BaseModel):
             max_manifest_entries=self.max_manifest_entries,
             max_cohorts=self.max_cohorts,
             max_waiting_ranks=self.max_waiting_ranks,
+            max_cohort_manifest_bytes=self.max_cohort_manifest_bytes,
+            max_manifest_bytes=self.max_manifest_bytes,
             max_watchers=self.max_watchers,
             max_watchers_per_token=self.max_watchers_per_token,
         )

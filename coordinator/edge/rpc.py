@@ -38,7 +38,7 @@ from coordinator.contract.errors import (
     LimitExceeded,
 )
 from coordinator.contract.limits import Limits
-from coordinator.contract.manifest import Manifest
+from coordinator.contract.manifest import HeldManifest
 from coordinator.contract.runtime import RUNTIME_FIELDS
 from coordinator.decision.cohort import Cause, Member, Outcome, UploadKind
 from coordinator.decision.report import Verdict
@@ -410,12 +410,11 @@ def upload_header(data: bytes, sent: type[Message]) -> pb.UploadManifestHeader:
     return head  # type: ignore[no-any-return]
 
 
-def manifest_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Manifest:
-    """The whole upload decoded, validated and hashed (in a worker thread: O(entries))."""
+def manifest_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> HeldManifest:
+    """The whole upload decoded, validated, hashed and compacted (in a worker thread when
+    large: O(entries)); the event loop only compares its signature and length."""
     req: pb.UploadManifestRequest = _parsed(pb.UploadManifestRequest, data)
-    manifest = manifest_from_pb(req.manifest, limits)
-    manifest.signature()  # cached: the event loop only compares it
-    return manifest
+    return HeldManifest(manifest_from_pb(req.manifest, limits))
 
 
 def digests_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:

@@ -15,7 +15,7 @@ import structlog
 from coordinator.contract import ranges
 from coordinator.contract.errors import FailedPrecondition, LimitExceeded, Unavailable
 from coordinator.contract.limits import Limits
-from coordinator.contract.manifest import Manifest
+from coordinator.contract.manifest import ManifestLike
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
 from coordinator.decision.formation import Decision, FormationOptions, decide
 from coordinator.decision.report import Verdict, build_verdict
@@ -388,9 +388,9 @@ class Coordinator:
         not), and is it still missing?"""
         return self.store.wants_upload(ref, kind, claimed, size)
 
-    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes, size: int = 0) -> None:
+    def upload(self, ref: UploadRef, manifest: ManifestLike, claimed: bytes, size: int = 0) -> None:
         try:
-            cohort = self.store.upload(ref, manifest, claimed)
+            cohort = self.store.upload(ref, manifest, claimed, size)
         except InvalidUpload as exc:
             self.observer.uploaded(False, size)
             self.evaluate(exc.cohort)  # every rank learns why, not only the uploader

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from coordinator.contract import ranges
 from coordinator.contract.errors import InvalidArgument
-from coordinator.contract.manifest import Manifest
+from coordinator.contract.manifest import ManifestLike
 from coordinator.decision.cohort import CohortState, Member, UploadKind
 from coordinator.decision.formation import Decision
 from coordinator.decision.report import Verdict
@@ -50,6 +50,7 @@ class LiveCohort:
     last_reason: str = ""  # the decision's reason as it was last evaluated
     last_reason_kind: str = ""  # the same with digits masked: logged when it changes
     abandoned_at: float | None = None  # every rank left before a verdict
+    manifest_bytes: int = 0  # upload bytes of the manifests held (see Limits)
 
     # (state version or -1 once decided, the missing ranks as text): status reads are O(1)
     _missing: tuple[int, str] = (-2, "")
@@ -135,7 +136,9 @@ class CohortStore(abc.ABC):
         when the upload is already in (nothing to decode)."""
 
     @abc.abstractmethod
-    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> LiveCohort:
+    def upload(
+        self, ref: UploadRef, manifest: ManifestLike, claimed: bytes, size: int = 0
+    ) -> LiveCohort:
         """A manifest upload, checked against its signature (InvalidUpload if it lies)."""
 
     @abc.abstractmethod

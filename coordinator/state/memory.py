@@ -14,7 +14,7 @@ from coordinator.contract.errors import (
     NotFound,
 )
 from coordinator.contract.limits import Limits
-from coordinator.contract.manifest import Manifest
+from coordinator.contract.manifest import HeldManifest, ManifestLike
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
 from coordinator.decision.formation import Decision, FormationOptions, decide
 from coordinator.decision.report import Verdict, build_verdict
@@ -55,6 +55,7 @@ class MemoryStore(CohortStore):
         self.limits = limits or Limits()
         self.waiting_cohorts = 0
         self.waiting_ranks = 0
+        self.manifest_bytes = 0  # upload bytes of the manifests held, across cohorts
         self.clock = clock
         # After a restart, a job's rounds continue from the history's last one.
         self.last_round = last_round
@@ -151,7 +152,13 @@ class MemoryStore(CohortStore):
             return
         over = job.rounds.get(asked)
         if over is not None and over.abandoned_at is not None:
-            return  # nothing was decided there: a re-join takes part in the open round
+            # Nothing was decided there: a re-join takes part in the round that followed,
+            # unless that one was decided meanwhile (its ranks have their verdict).
+            later = (job.rounds.get(r) for r in range(asked + 1, open_round))
+            decided = next((c for c in later if c is not None and c.verdict is not None), None)
+            if decided is None:
+                return
+            over = decided
         if asked < open_round:
             outcome = over.verdict.outcome.value if over and over.verdict else "decided"
             raise FailedPrecondition(
@@ -193,6 +200,7 @@ class MemoryStore(CohortStore):
         if cohort.settled or cohort.state.members:
             return False
         cohort.abandoned_at = self.clock()
+        self._drop_uploads(cohort)
         self.waiting_cohorts -= 1
         return True
 
@@ -234,7 +242,27 @@ class MemoryStore(CohortStore):
                 f"the {what} upload of rank {ref.rank} is {size} bytes, more than its "
                 f"{member.manifest_entries}-entry manifest can take ({most} bytes at most)"
             )
-        return not uploaded(cohort.state, kind, key_of(member, kind))
+        wanted = not uploaded(cohort.state, kind, key_of(member, kind))
+        if wanted and kind is UploadKind.MANIFEST:
+            self._check_manifest_budget(cohort, size)
+        return wanted
+
+    def _check_manifest_budget(self, cohort: LiveCohort, size: int) -> None:
+        limits = self.limits
+        if cohort.manifest_bytes + size > limits.max_cohort_manifest_bytes:
+            raise LimitExceeded(
+                f"job '{cohort.job_id}' round {cohort.round} holds {cohort.manifest_bytes} "
+                f"bytes of manifests; this {size}-byte upload would pass the limit "
+                f"max_cohort_manifest_bytes={limits.max_cohort_manifest_bytes} (that many "
+                "different models in one job is itself the problem: the cohort is refused "
+                "with the manifests it has)"
+            )
+        if self.manifest_bytes + size > limits.max_manifest_bytes:
+            raise LimitExceeded(
+                f"this coordinator holds {self.manifest_bytes} bytes of manifests across all "
+                f"cohorts; this {size}-byte upload would pass the limit "
+                f"max_manifest_bytes={limits.max_manifest_bytes}"
+            )
 
     def _check_claim(self, ref: UploadRef, member: Member, claimed: bytes) -> None:
         if claimed != member.signature:
@@ -249,7 +277,9 @@ class MemoryStore(CohortStore):
                 f"rank {ref.rank} joined without a weights digest; there is nothing to explain"
             )
 
-    def upload(self, ref: UploadRef, manifest: Manifest, claimed: bytes) -> LiveCohort:
+    def upload(
+        self, ref: UploadRef, manifest: ManifestLike, claimed: bytes, size: int = 0
+    ) -> LiveCohort:
         cohort, member = self._member(ref, "a manifest")
         rank = ref.rank
         self._check_claim(ref, member, claimed)
@@ -267,9 +297,20 @@ class MemoryStore(CohortStore):
                 f"the manifest uploaded by rank {rank} has {len(manifest)} entries, but the "
                 f"join announced {member.manifest_entries}"
             )
-        cohort.state.manifests.setdefault(claimed, manifest)
+        if claimed not in cohort.state.manifests:
+            held = manifest if isinstance(manifest, HeldManifest) else HeldManifest(manifest)
+            cohort.state.manifests[claimed] = held
+            cohort.manifest_bytes += size
+            self.manifest_bytes += size
         cohort.asks.done(UploadKind.MANIFEST, claimed)
         return cohort
+
+    def _drop_uploads(self, cohort: LiveCohort) -> None:
+        """A settled cohort's manifests and digests go: the verdict holds what it needs."""
+        self.manifest_bytes -= cohort.manifest_bytes
+        cohort.manifest_bytes = 0
+        cohort.state.manifests.clear()
+        cohort.state.tensor_digests.clear()
 
     # -- decisions ---------------------------------------------------------------------
     def evaluate(self, cohort: LiveCohort) -> Decision | None:
@@ -296,6 +337,7 @@ class MemoryStore(CohortStore):
         if verdict is None:
             verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
         cohort.verdict = verdict
+        self._drop_uploads(cohort)
         self.waiting_cohorts -= 1
         self.waiting_ranks -= len(cohort.state.members)
         job = self.jobs[cohort.job_id]
