@@ -282,8 +282,10 @@ def build_verdict(
             reference = cohort.manifests.get(c.signature)
             continue
         other = cohort.manifests.get(c.signature)
+        # Capped as the wire and the report show it (LIST_CAP items a list, with counts):
+        # nine 100k-entry diffs would otherwise hold a million Change objects per verdict.
         diffs[(c.group, c.signature)] = (
-            None if reference is None or other is None else diff(reference, other)
+            None if reference is None or other is None else diff(reference, other).capped()
         )
     report = render_mismatch(
         cohort.job_id,

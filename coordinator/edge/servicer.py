@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing as mp
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -34,6 +36,18 @@ from coordinator.state.base import JoinIntent
 log = structlog.get_logger("cohortgate")
 
 DECODES = 2
+_DECODERS: ProcessPoolExecutor | None = None
+
+
+def _decoders() -> ProcessPoolExecutor:
+    """Processes that decode large manifests (spawned: the server's threads are not copied;
+    started at the first large upload)."""
+    global _DECODERS  # noqa: PLW0603 (one pool per process, made on first use)
+    if _DECODERS is None:
+        _DECODERS = ProcessPoolExecutor(max_workers=DECODES, mp_context=mp.get_context("spawn"))
+    return _DECODERS
+
+
 _T = TypeVar("_T")
 # Requests up to this size are decoded on the loop (a join without a big layout: ~1 KB).
 INLINE_DECODE_BYTES = 64 * 1024
@@ -133,13 +147,20 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         decode = rpc.join_intents if method == "Join" else rpc.group_join_intents
         return await self._decoded(decode, data)
 
-    async def _decoded(self, decode: Callable[[bytes, Limits], _T], data: bytes) -> _T:
-        """A request decoded and validated: inline when small (nearly every call), in a
-        worker thread when large (a 1M-entry manifest, a 100k-piece layout: seconds of
-        Python), two at a time."""
+    async def _decoded(
+        self, decode: Callable[[bytes, Limits], _T], data: bytes, *, process: bool = False
+    ) -> _T:
+        """A request decoded and validated: inline when small (nearly every call), else off
+        the loop, two at a time: in a worker thread (a 100k-piece layout, which the cohort
+        keeps anyway), or with `process` in a worker process, so that the objects a 1M-entry
+        manifest decodes into never touch this process's heap (only its compact form comes
+        back)."""
         if len(data) <= INLINE_DECODE_BYTES:
             return decode(data, self.limits)
         async with self._decoding:
+            if process:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(_decoders(), decode, data, self.limits)
             return await asyncio.to_thread(decode, data, self.limits)
 
     async def _join(
@@ -173,7 +194,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             self.auth.check_job(_metadata(context), head.job_id)
             ref, signature = rpc.upload_ref(head), sha256(head.signature, "signature")
             if self.coordinator.wants_upload(ref, UploadKind.MANIFEST, signature, len(data)):
-                manifest = await self._decoded(rpc.manifest_of, data)
+                manifest = await self._decoded(rpc.manifest_of, data, process=True)
                 self.coordinator.upload(ref, manifest, signature, size=len(data))
         return pb.UploadManifestResponse()
 

@@ -70,10 +70,13 @@ _WORKERS: ProcessPoolExecutor | None = None
 def _workers() -> ProcessPoolExecutor:
     """A process for heavy decisions: a thread would hold the GIL for the whole check (a
     minute for 1M pieces) and starve the event loop. Spawned, not forked: the gRPC server's
-    threads must not be copied. Started at the first heavy decision."""
+    threads must not be copied. One decision per process: its memory (a diff of a
+    million entries) goes back to the system with it."""
     global _WORKERS  # noqa: PLW0603 (one pool per process, made on first use)
     if _WORKERS is None:
-        _WORKERS = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        _WORKERS = ProcessPoolExecutor(
+            max_workers=1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1
+        )
     return _WORKERS
 
 
