@@ -213,6 +213,36 @@ def test_tls_server_refuses_plaintext_and_serves_verified_clients(pki: Path) -> 
         c.stop()
 
 
+def test_with_tls_the_status_port_serves_https_and_never_plain_http(pki: Path) -> None:
+    import ssl
+    import urllib.request
+
+    c = InProcessCoordinator(tls_cert=pki / "server.pem", tls_key=pki / "server.key")
+    url = f"127.0.0.1:{c.running.metrics_port}"
+    try:
+        context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        with urllib.request.urlopen(f"https://{url}/healthz", context=context, timeout=10) as r:
+            assert r.read() == b"ok\n"
+        with pytest.raises(OSError):  # a plain-HTTP request gets no page (and no token)
+            urllib.request.urlopen(f"http://{url}/healthz", timeout=10).read()
+    finally:
+        c.stop()
+
+
+def test_a_token_protected_status_page_is_never_served_in_clear_beyond_loopback(
+    tmp_path: Path,
+) -> None:
+    from coordinator.edge.config import ServeConfig
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret *\n")
+    config = ServeConfig(
+        metrics_listen="0.0.0.0:0", allow_remote=True, tokens_file=tokens, history="off"
+    )
+    with pytest.raises(ValueError, match="admin token would cross the network in clear"):
+        config.check_exposure()
+
+
 def test_mutual_tls_refuses_clients_without_a_certificate(pki: Path) -> None:
     c = InProcessCoordinator(
         tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem"

@@ -113,6 +113,16 @@ class ServeConfig(BaseModel):
                     f"{flag} {addr} is not a loopback address; pass --allow-remote "
                     "(COHORTGATE_ALLOW_REMOTE=1) to serve other hosts"
                 )
+        http_remote = self.metrics_listen != "off" and not is_loopback(
+            split_host_port(self.metrics_listen)[0]
+        )
+        if http_remote and self.tokens_file is not None and self.tls_cert is None:
+            raise ValueError(
+                f"--metrics-listen {self.metrics_listen} is not a loopback address and "
+                "--tokens-file is set: the status page's admin token would cross the network "
+                "in clear. Give --tls-cert and --tls-key (the HTTP port then serves HTTPS "
+                "with them), or keep --metrics-listen on loopback"
+            )
 
     @property
     def limits(self) -> Limits:

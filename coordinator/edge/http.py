@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import html
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -142,12 +143,18 @@ class MetricsServer:
         loop: asyncio.AbstractEventLoop,
         addr: str,
         auth: Auth | None = None,
+        tls: ssl.SSLContext | None = None,
     ):
         self.coordinator = coordinator
         self.loop = loop
         host, _, port = addr.rpartition(":")
         handler = _handler(self._snapshot, self._refresh_gauges, coordinator, auth or Auth(None))
         self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
+        if tls is not None:
+            # The handshake runs in each connection's own thread, not in accept().
+            self.httpd.socket = tls.wrap_socket(
+                self.httpd.socket, server_side=True, do_handshake_on_connect=False
+            )
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

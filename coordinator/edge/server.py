@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Callable
 
@@ -145,7 +146,11 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     if config.metrics_listen != "off":
         try:
             metrics = MetricsServer(
-                coordinator, asyncio.get_running_loop(), config.metrics_listen, auth
+                coordinator,
+                asyncio.get_running_loop(),
+                config.metrics_listen,
+                auth,
+                _http_tls(config),
             )
         except OSError as exc:
             check_free("--metrics-listen", config.metrics_listen)  # names the holder
@@ -184,6 +189,16 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         pid=os.getpid(),
     )
     return running
+
+
+def _http_tls(config: ServeConfig) -> ssl.SSLContext | None:
+    """The HTTP port speaks TLS with the gRPC port's certificate when TLS is configured:
+    the status page's admin token must not cross the network in clear."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
 
 
 async def _sweep(coordinator: Coordinator, retention_s: float) -> None:
