@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import html
 import json
 import ssl
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, ClassVar
+from typing import Any
 
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.contract.errors import CoordinatorError, PermissionDenied, Unavailable
@@ -135,119 +131,77 @@ tr.formed td{{background:#f0fff4}} pre{{white-space:pre-wrap;font-size:12px}}
 
 
 class MetricsServer:
-    """A small threaded HTTP server; it reads coordinator state by hopping onto its loop."""
+    """The HTTP port on the coordinator's own event loop (aiohttp): no thread per request,
+    no hop between threads, keep-alive and backpressure from aiohttp, HTTPS when given a
+    TLS context. /metrics stays prometheus-client's exposition."""
 
     def __init__(
         self,
         coordinator: Coordinator,
-        loop: asyncio.AbstractEventLoop,
         addr: str,
         auth: Auth | None = None,
         tls: ssl.SSLContext | None = None,
     ):
         self.coordinator = coordinator
-        self.loop = loop
+        self.auth = auth or Auth(None)
+        self.tls = tls
         host, _, port = addr.rpartition(":")
-        handler = _handler(self._snapshot, self._refresh_gauges, coordinator, auth or Auth(None))
-        self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
-        if tls is not None:
-            # The handshake runs in each connection's own thread, not in accept().
-            self.httpd.socket = tls.wrap_socket(
-                self.httpd.socket, server_side=True, do_handshake_on_connect=False
-            )
-        self.httpd.daemon_threads = True
-        self.port = int(self.httpd.server_address[1])
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.host, self.port = host.strip("[]"), int(port)
+        app = web.Application()
+        app.router.add_get("/", self._page)
+        app.router.add_get("/status", self._page)
+        app.router.add_get("/status.json", self._json)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        self.runner = web.AppRunner(app, access_log=None)  # scrapes would drown the log
 
-    def start(self) -> None:
-        self.thread.start()
+    async def start(self) -> None:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.tls)
+        await site.start()
+        self.port = int(self.runner.addresses[0][1])
 
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    async def stop(self) -> None:
+        await self.runner.cleanup()
 
-    def _on_loop(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the coordinator's event loop (its state belongs to that loop alone)."""
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
-
-    def _snapshot(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._on_loop(lambda: snapshot(self.coordinator))
-        return result
-
-    def _refresh_gauges(self) -> None:
-        # A scrape needs only the gauges derived from the cohorts, not the page's snapshot
-        # (which also reads the history database).
-        self._on_loop(self.coordinator.summaries)
-
-
-@dataclass(frozen=True)
-class _Sources:
-    """What the HTTP threads read: each call hops onto the coordinator's loop."""
-
-    take: Callable[[], dict[str, Any]]
-    refresh_gauges: Callable[[], None]
-    coordinator: Coordinator
-    auth: Auth
-
-
-class _StatusHandler(BaseHTTPRequestHandler):
-    sources: ClassVar[_Sources]
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path in ("/", "/status", "/status.json") and not self._admin():
-            return
-        src = self.sources
-        if path == "/metrics":
-            src.refresh_gauges()
-            registry = src.coordinator.observer.metrics.registry
-            self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
-        elif path in ("/", "/status"):
-            self._send(200, "text/html; charset=utf-8", render_page(src.take()).encode())
-        elif path == "/status.json":
-            self._send(200, "application/json", json.dumps(src.take(), indent=1).encode())
-        elif path == "/healthz":
-            problem = src.coordinator.observer.history_problem()  # thread-safe reads
-            said = f"degraded: history: {problem}\n" if problem else "ok\n"
-            self._send(200, "text/plain", said.encode())
-        else:
-            self._send(404, "text/plain", b"not found: try /status, /status.json, /metrics\n")
-
-    def _admin(self) -> bool:
+    def _denied(self, request: web.Request) -> web.Response | None:
         """Job names and refusal reports: only for an admin token once tokens are on."""
-        auth = self.sources.auth
-        if not auth.enabled:
-            return True
+        if not self.auth.enabled:
+            return None
+        header = request.headers.get("Authorization", "")
         try:
-            header = self.headers.get("Authorization", "")
-            if not auth.grant([("authorization", header)] if header else []).admin:
+            if not self.auth.grant([("authorization", header)] if header else []).admin:
                 raise PermissionDenied("the status page needs an admin token")
         except CoordinatorError as exc:
-            self._send(401, "text/plain", f"{exc}\n".encode())
-            return False
-        return True
+            return _text(401, f"{exc}\n")
+        return None
 
-    def _send(self, code: int, kind: str, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
+    async def _page(self, request: web.Request) -> web.Response:
+        denied = self._denied(request)
+        if denied is not None:
+            return denied
+        body = render_page(snapshot(self.coordinator))
+        return web.Response(text=body, content_type="text/html", charset="utf-8", headers=_NO_STORE)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # scrapes every 15 s would drown the decision log
+    async def _json(self, request: web.Request) -> web.Response:
+        denied = self._denied(request)
+        if denied is not None:
+            return denied
+        body = json.dumps(snapshot(self.coordinator), indent=1)
+        return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.coordinator.summaries()  # the gauges derived from the cohorts, fresh
+        body = generate_latest(self.coordinator.observer.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST, **_NO_STORE})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        problem = self.coordinator.observer.history_problem()
+        return _text(200, f"degraded: history: {problem}\n" if problem else "ok\n")
 
 
-def _handler(
-    take: Callable[[], dict[str, Any]],
-    refresh_gauges: Callable[[], None],
-    coordinator: Coordinator,
-    auth: Auth,
-) -> type[BaseHTTPRequestHandler]:
-    sources = _Sources(take, refresh_gauges, coordinator, auth)
-    return type("Handler", (_StatusHandler,), {"sources": sources})
+_NO_STORE = {"Cache-Control": "no-store"}
+
+
+def _text(status: int, body: str) -> web.Response:
+    return web.Response(status=status, text=body, headers=_NO_STORE)

@@ -65,7 +65,7 @@ class RunningServer:
         self.coordinator.close()
         await self.server.stop(grace)
         if self.metrics is not None:
-            self.metrics.stop()
+            await self.metrics.stop()
         history = self.coordinator.observer.history
         if history is not None:
             history.close()
@@ -145,17 +145,11 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     metrics = None
     if config.metrics_listen != "off":
         try:
-            metrics = MetricsServer(
-                coordinator,
-                asyncio.get_running_loop(),
-                config.metrics_listen,
-                auth,
-                _http_tls(config),
-            )
+            metrics = MetricsServer(coordinator, config.metrics_listen, auth, _http_tls(config))
+            await metrics.start()
         except OSError as exc:
             check_free("--metrics-listen", config.metrics_listen)  # names the holder
             raise BindError(f"--metrics-listen {config.metrics_listen}: {exc.strerror}") from None
-        metrics.start()
     await server.start()
     for name in ("", SERVICE_NAME, STATUS_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
