@@ -241,10 +241,6 @@ class HeldManifest:
     def signature(self) -> bytes:
         return self._signature
 
-    @property
-    def held_bytes(self) -> int:
-        return len(self._blob)
-
 
 # What the decision reads from a manifest: a Manifest or a HeldManifest.
 ManifestLike = Manifest | HeldManifest

@@ -9,7 +9,7 @@ from coordinator.contract import ranges
 from coordinator.contract.diff import ManifestDiff, diff
 from coordinator.decision.checks import Finding, Level, warnings
 from coordinator.decision.cohort import Cause, CohortState, LaunchGroup, Outcome, SignatureClass
-from coordinator.decision.formation import Decision
+from coordinator.decision.formation import Decision, FormationOptions, decide
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
 HOST_CAP = 8
@@ -298,3 +298,14 @@ def build_verdict(
         decision.weights or "values",
     )
     return replace(base, diffs=diffs, report=report)
+
+
+def judge(
+    state: CohortState, now: float, options: FormationOptions
+) -> tuple[Decision, Verdict | None]:
+    """The decision and, when it decides, the verdict with its report: what the store does
+    on the loop for a small cohort and a worker process does for a heavy one."""
+    decision = decide(state, now, options)
+    if decision.outcome is Outcome.WAITING:
+        return decision, None
+    return decision, build_verdict(state, decision, now, options.join_deadline_s)

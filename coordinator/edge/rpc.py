@@ -341,10 +341,12 @@ def event_to_pb(event: JoinEvent) -> pb.JoinEvent | bytes:
     )
 
 
-def _parsed(cls: type[Message], data: bytes) -> Any:
+def _parsed(cls: type[Message], data: bytes, sent: type[Message] | None = None) -> Any:
+    """`data` as a `cls` message, or INVALID_ARGUMENT naming the message `sent` (default
+    `cls`: a header read from the front of a larger message names the larger one)."""
     message = parse_request(cls, data)
     if isinstance(message, Malformed):
-        raise InvalidArgument(message.message)
+        raise InvalidArgument(message.message.replace(cls.__name__, (sent or cls).__name__))
     return message
 
 
@@ -402,12 +404,9 @@ def upload_header(data: bytes, sent: type[Message]) -> pb.UploadManifestHeader:
     """The first fields of an upload (UploadManifestRequest or UploadDigestsRequest share
     fields 1-4; 5 is the manifest's signature), read from the front of the bytes only: the
     payload is neither decoded nor copied. Errors name the message `sent`."""
-    head = parse_request(
-        pb.UploadManifestHeader, _front(data, 5 if sent is pb.UploadManifestRequest else 4)
-    )
-    if isinstance(head, Malformed):
-        raise InvalidArgument(head.message.replace("UploadManifestHeader", sent.__name__))
-    return head  # type: ignore[no-any-return]
+    fields = 5 if sent is pb.UploadManifestRequest else 4
+    head: pb.UploadManifestHeader = _parsed(pb.UploadManifestHeader, _front(data, fields), sent)
+    return head
 
 
 def manifest_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> HeldManifest:

@@ -129,8 +129,8 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         self.coordinator = coordinator
         self.auth = auth or Auth(None)
         self.limits = limits or Limits()
-        # Large uploads decoded at once, each in a worker thread: more would only queue for
-        # the GIL while holding their payloads in memory.
+        # Large requests decoded at once, off the loop (see _decoded): more would only
+        # queue for the GIL or a worker while holding their payloads in memory.
         self._decoding = asyncio.Semaphore(DECODES)
 
     def Join(  # type: ignore[override]  # bytes in (RAW_JOINS), pre-encoded verdicts out
@@ -187,7 +187,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
         """Who sends, and whether the size is allowed, from the request's first fields;
-        only then is the manifest decoded and hashed, in a worker thread."""
+        only then is the manifest decoded, hashed and compacted (see _decoded)."""
         async with answering(self.coordinator, context, "UploadManifest"):
             head = rpc.upload_header(data, pb.UploadManifestRequest)
             structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
@@ -219,50 +219,46 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
         self.coordinator = coordinator
         self.auth = auth or Auth(None)
 
-    async def _scope(self, context: grpc.aio.ServicerContext, method: str, job_id: str) -> str:
-        """The job filter to apply: the one asked for, or the token's own job."""
-        try:
+    async def _scope(
+        self, context: grpc.aio.ServicerContext, method: str, job_id: str
+    ) -> tuple[str, str]:
+        """The job filter to apply (the one asked for, or the token's own job), and who
+        asks (the token's scope)."""
+        async with answering(self.coordinator, context, method):
             grant = self.auth.grant(_metadata(context))
             if job_id:
                 if not grant.allows(job_id):
                     self.auth.check_job(_metadata(context), job_id)
-                return job_id
-            return "" if grant.admin else grant.scope
-        except CoordinatorError as exc:
-            await _abort(self.coordinator, context, method, exc)
-            raise AssertionError("unreachable") from exc
+                return job_id, grant.scope
+            return ("" if grant.admin else grant.scope), grant.scope
+        raise AssertionError("unreachable")  # answering aborts the call
 
     async def ListCohorts(
         self, request: pb.ListCohortsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCohortsResponse:
-        job_id = await self._scope(context, "ListCohorts", request.job_id)
+        job_id, _ = await self._scope(context, "ListCohorts", request.job_id)
         summaries = self.coordinator.summaries(job_id)
         return pb.ListCohortsResponse(cohorts=[rpc.summary_to_pb(s) for s in summaries])
 
     async def GetCohort(
         self, request: pb.GetCohortRequest, context: grpc.aio.ServicerContext
     ) -> pb.CohortDetail:
-        job_id = await self._scope(context, "GetCohort", request.job_id)
-        cohort = self.coordinator.find(job_id, request.round) if job_id else None
-        if cohort is None:
-            what = f"round {request.round} of job" if request.round else "job"
-            await _abort(
-                self.coordinator,
-                context,
-                "GetCohort",
-                NotFound(f"no {what} '{request.job_id[:64]}' is held by this coordinator"),
+        job_id, _ = await self._scope(context, "GetCohort", request.job_id)
+        async with answering(self.coordinator, context, "GetCohort", job_id):
+            cohort = self.coordinator.find(job_id, request.round) if job_id else None
+            if cohort is None:
+                what = f"round {request.round} of job" if request.round else "job"
+                raise NotFound(f"no {what} '{request.job_id[:64]}' is held by this coordinator")
+            summary = next(
+                s for s in self.coordinator.summaries(cohort.job_id) if s.round == cohort.round
             )
-            raise AssertionError("unreachable")  # abort raises
-        summary = next(
-            s for s in self.coordinator.summaries(cohort.job_id) if s.round == cohort.round
-        )
-        return rpc.detail_to_pb(summary, cohort)
+            return rpc.detail_to_pb(summary, cohort)
+        raise AssertionError("unreachable")  # answering aborts the call
 
     async def WatchCohorts(
         self, request: pb.WatchCohortsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CohortSummary]:
-        job_id = await self._scope(context, "WatchCohorts", request.job_id)
-        holder = self.auth.grant(_metadata(context)).scope
+        job_id, holder = await self._scope(context, "WatchCohorts", request.job_id)
         async with answering(self.coordinator, context, "WatchCohorts", job_id):
             async for summary in self.coordinator.watch(job_id, holder):
                 yield rpc.summary_to_pb(summary)
@@ -270,16 +266,14 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
     async def GetVerdict(
         self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerdictRecord:
-        job_id = await self._scope(context, "GetVerdict", request.job_id)
+        job_id, _ = await self._scope(context, "GetVerdict", request.job_id)
         history = self.coordinator.observer.history
-        try:
+        async with answering(self.coordinator, context, "GetVerdict", job_id):
             if history is None:
                 raise FailedPrecondition("this coordinator keeps no history (--history is off)")
             row = history.get(job_id, request.round) if job_id else None
             if row is None:
                 what = f"round {request.round} of job" if request.round else "job"
                 raise NotFound(f"no verdict for {what} '{request.job_id[:64]}' in the history")
-        except CoordinatorError as exc:
-            await _abort(self.coordinator, context, "GetVerdict", exc)
-            raise AssertionError("unreachable") from exc
-        return rpc.record_to_pb(row)
+            return rpc.record_to_pb(row)
+        raise AssertionError("unreachable")  # answering aborts the call

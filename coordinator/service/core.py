@@ -16,9 +16,9 @@ from coordinator.contract import ranges
 from coordinator.contract.errors import FailedPrecondition, LimitExceeded, Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import ManifestLike
-from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
-from coordinator.decision.formation import Decision, FormationOptions, decide
-from coordinator.decision.report import Verdict, build_verdict
+from coordinator.decision.cohort import Member, UploadKind
+from coordinator.decision.formation import Decision, FormationOptions
+from coordinator.decision.report import Verdict, judge
 from coordinator.service.observers import Observer
 from coordinator.service.status import CohortSummary, summarize
 from coordinator.state.asks import UploadRef
@@ -78,16 +78,6 @@ def _workers() -> ProcessPoolExecutor:
             max_workers=1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1
         )
     return _WORKERS
-
-
-def _decide_and_build(
-    state: CohortState, now: float, options: FormationOptions
-) -> tuple[Decision, Verdict | None]:
-    """The decision and, when it decides, the verdict with its report (a worker's job)."""
-    decision = decide(state, now, options)
-    if decision.outcome is Outcome.WAITING:
-        return decision, None
-    return decision, build_verdict(state, decision, now, options.join_deadline_s)
 
 
 # Up to this world size every progress event is exact; above, it may be 0.25 s stale.
@@ -457,7 +447,7 @@ class Coordinator:
                 snapshot, now = cohort.state.snapshot(), self.clock()
                 self.observer.metrics.offloaded.inc()
                 decision, verdict = await asyncio.get_running_loop().run_in_executor(
-                    _workers(), _decide_and_build, snapshot, now, self.options
+                    _workers(), judge, snapshot, now, self.options
                 )
                 if cohort.state.fingerprint() != seen or self._deciding[key]:
                     continue  # a join, a departure or an upload meanwhile: decide again

@@ -155,10 +155,10 @@ class CohortStore(abc.ABC):
         cohort: LiveCohort,
         decision: Decision,
         now: float,
-        verdict: Verdict | None = None,
+        verdict: Verdict | None,
     ) -> Decision | None:
-        """Apply a decision made at `now` (off the loop, on a snapshot: see `snapshot`), with
-        its verdict if already built; None if the cohort was settled meanwhile."""
+        """Apply `judge`'s result made at `now` (on the loop, or off it on a snapshot): the
+        verdict when decided; None if the cohort was settled meanwhile."""
 
     @abc.abstractmethod
     def rotate_asks(self, cohort: LiveCohort, after_s: float) -> list[Member]:

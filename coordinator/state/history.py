@@ -359,8 +359,10 @@ class History(VerdictStore):
     @property
     def problem(self) -> str:
         """Why history is degraded ("" when it is not): the coordinator keeps serving."""
-        if self._writer is not None and self._writer.error:
-            return f"{self._writer.error} ({self.spooled} verdicts waiting to be written)"
+        writer = self._writer
+        if writer is not None and writer.error:
+            lost = f", {writer.dropped} dropped past the spool" if writer.dropped else ""
+            return f"{writer.error} ({self.spooled} verdicts waiting to be written{lost})"
         return ""
 
     def close(self) -> None:

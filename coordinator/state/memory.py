@@ -16,8 +16,8 @@ from coordinator.contract.errors import (
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import HeldManifest, ManifestLike
 from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
-from coordinator.decision.formation import Decision, FormationOptions, decide
-from coordinator.decision.report import Verdict, build_verdict
+from coordinator.decision.formation import Decision, FormationOptions
+from coordinator.decision.report import Verdict, judge
 from coordinator.state.asks import UploadRef, key_of, uploaded
 from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinResult, LiveCohort
 
@@ -318,14 +318,15 @@ class MemoryStore(CohortStore):
         if cohort.settled:
             return None
         now = self.clock()
-        return self.settle(cohort, decide(cohort.state, now, self.options), now)
+        decision, verdict = judge(cohort.state, now, self.options)
+        return self.settle(cohort, decision, now, verdict)
 
     def settle(
         self,
         cohort: LiveCohort,
         decision: Decision,
         now: float,
-        verdict: Verdict | None = None,
+        verdict: Verdict | None,
     ) -> Decision | None:
         if cohort.settled:
             return None
@@ -334,8 +335,7 @@ class MemoryStore(CohortStore):
             for digest in decision.awaiting_digests:
                 cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest, now=now)
             return decision
-        if verdict is None:
-            verdict = build_verdict(cohort.state, decision, now, self.options.join_deadline_s)
+        assert verdict is not None, "a decided cohort comes with its verdict (judge)"
         cohort.verdict = verdict
         self._drop_uploads(cohort)
         self.waiting_cohorts -= 1
