@@ -179,7 +179,8 @@ def join(
                 elif code not in RETRYABLE:
                     raise CohortgateError(
                         f"the cohortgate coordinator at {identity.addr} refused the join of "
-                        f"rank {identity.rank}: {code.name}: {details}",
+                        f"rank {identity.rank}: {code.name}: {details}"
+                        + _too_large(request, details),
                         code,
                     ) from None
                 else:
@@ -188,6 +189,17 @@ def join(
             # Full jitter: 4,096 ranks reconnecting at once must not arrive in lockstep.
             time.sleep(min(random.uniform(0, delay), max(give_up_at - time.monotonic(), 0)))
             delay = min(delay * 2, opts.backoff_max_s)
+
+
+def _too_large(request: pb.JoinRequest, details: str) -> str:
+    """What to do when the join itself is over the coordinator's message limit."""
+    if "larger than max" not in details:
+        return ""
+    pieces = len(request.layout.pieces)
+    return (
+        f" (this join is {request.ByteSize()} bytes, with a layout of {pieces} pieces); raise "
+        "the coordinator's --max-message-bytes, and a relay's, to take it"
+    )
 
 
 def _transport(details: str) -> str:
@@ -253,11 +265,11 @@ def _answer(
     timeout: float,
     metadata: Sequence[tuple[str, str]],
 ) -> None:
-    """Answer a manifest or digest request. A refused upload is not the end: the coordinator
-    refuses the whole cohort for it, and this rank waits on its join to receive that verdict
-    too."""
+    """Answer a manifest or digest request, in chunks (a manifest can be larger than one
+    message may be). A refused upload is not the end: the coordinator refuses the whole
+    cohort for it, and this rank waits on its join to receive that verdict too."""
     try:
-        rpc(request, timeout=min(timeout, 60.0), metadata=metadata)
+        rpc(wire.upload_chunks(request), timeout=min(timeout, 60.0), metadata=metadata)
     except grpc.RpcError as exc:
         if exc.code() in RETRYABLE:
             raise  # the join is retried and the coordinator asks again
@@ -288,11 +300,11 @@ def _stream(
             return verdict
         if kind == "manifest_request":
             upload = wire.manifest_answer(request, event.manifest_request.round, manifest)
-            _answer(stub.UploadManifest, upload, "manifest", identity, timeout, metadata)
+            _answer(stub.UploadManifestChunks, upload, "manifest", identity, timeout, metadata)
         elif kind == "digest_request":
             # this rank's weights differ from another replica's: name the tensors
             answer = wire.digests_answer(request, event.digest_request.round, digests or ())
-            _answer(stub.UploadDigests, answer, "digests", identity, timeout, metadata)
+            _answer(stub.UploadDigestsChunks, answer, "digests", identity, timeout, metadata)
         elif kind == "progress":
             progress = event.progress
             request.round = progress.round  # a reconnect re-joins this round, not a new one

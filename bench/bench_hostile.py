@@ -1,5 +1,6 @@
 """The event loop under hostile load: gRPC health latency and another job's formation time
-while two clients loop 1M-entry uploads for a cohort that does not exist and a 10-rank job
+while two clients loop 1M-entry uploads for a cohort that does not exist (one as a single
+30 MB message, one in chunks as an agent sends it) and a 10-rank job
 with a 1M-piece non-grid layout (a brick wall) is checked for coverage.
 
 Usage: python bench/bench_hostile.py [--entries 1000000] [--seconds 40] [--json PATH]
@@ -29,14 +30,17 @@ sys.path.insert(0, str(REPO))
 from coordinator.api.v1 import cohort_pb2 as pb  # noqa: E402
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc  # noqa: E402
 from coordinator.cli.spawn import spawn  # noqa: E402
+from coordinator.codec import wire  # noqa: E402
 from tests.helpers import join_request, manifest_of, run_cohort  # noqa: E402
 
 UPLOAD = "/cohortgate.v1.CohortService/UploadManifest"
+CHUNKS = "/cohortgate.v1.CohortService/UploadManifestChunks"
 ROWS, COLUMNS, RANKS = 990, 2000, 10  # 990 brick rows of ~1000 pieces: ~990k pieces
 
 
-def hostile_uploads(addr: str, entries: int, stop: Any, sent: Any) -> None:
-    """A non-member's 1M-entry manifest, sent again and again."""
+def hostile_uploads(addr: str, entries: int, chunked: bool, stop: Any, sent: Any) -> None:
+    """A non-member's 1M-entry manifest, sent again and again: as one message (over the
+    message limit), or in chunks as an agent sends it."""
     manifest = pb.Manifest(
         format=1,
         entries=[
@@ -46,13 +50,18 @@ def hostile_uploads(addr: str, entries: int, stop: Any, sent: Any) -> None:
     )
     data = pb.UploadManifestRequest(
         job_id="nobody", round=1, rank=0, incarnation="x", signature=b"s" * 32, manifest=manifest
-    ).SerializeToString()
+    )
     options = [("grpc.max_send_message_length", 256 << 20)]
     with grpc.insecure_channel(addr, options=options) as channel:
-        call = channel.unary_unary(UPLOAD)
+        call: Any = channel.unary_unary(UPLOAD)
+        payload: Any = data.SerializeToString()
+        if chunked:
+            call = channel.stream_unary(CHUNKS, request_serializer=pb.UploadChunk.SerializeToString)
+            chunks = list(wire.upload_chunks(data))
+            payload = None
         while not stop.is_set():
             with contextlib.suppress(grpc.RpcError):  # refused, as it should be
-                call(data, timeout=60)
+                call(iter(chunks) if chunked else payload, timeout=60)
             with sent.get_lock():
                 sent.value += 1
 
@@ -105,10 +114,11 @@ def coverage_job(addr: str, out: Any) -> None:
             stub = pb_grpc.CohortServiceStub(channel)
             for event in stub.Join(req, timeout=600):
                 if event.WhichOneof("event") == "manifest_request":
-                    from coordinator.codec import wire
-
-                    stub.UploadManifest(
-                        wire.manifest_answer(req, event.manifest_request.round, m), timeout=60
+                    stub.UploadManifestChunks(
+                        wire.upload_chunks(
+                            wire.manifest_answer(req, event.manifest_request.round, m)
+                        ),
+                        timeout=60,
                     )
                 if event.WhichOneof("event") == "verdict":
                     results.append(time.time())
@@ -197,8 +207,8 @@ def main() -> int:
             stop, sent = ctx.Event(), ctx.Value("i", 0)
             out = ctx.Queue()
             senders = [
-                ctx.Process(target=hostile_uploads, args=(addr, args.entries, stop, sent))
-                for _ in range(2)
+                ctx.Process(target=hostile_uploads, args=(addr, args.entries, chunked, stop, sent))
+                for chunked in (False, True)
             ]
             job = ctx.Process(target=coverage_job, args=(addr, out))
             for p in senders:

@@ -1,7 +1,7 @@
 """Coordinator memory with many large manifests: one job of N ranks, each with its own
 100k-entry model (N distinct signatures, N manifests uploaded), refused with diffs.
 Prints the coordinator's RSS before, at its peak while the manifests are held, and after
-the verdict.
+each job's verdict (--jobs of them, one after the other: what one job leaves behind).
 
 Usage: python bench/bench_memory.py [--ranks 10] [--entries 100000] [--json PATH]
 """
@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,10 +41,25 @@ def model(entries: int, variant: int) -> Manifest:
     )
 
 
+def run_job(addr: str, job: str, models: list[Manifest]) -> list[Any]:
+    with ThreadPoolExecutor(len(models)) as pool:
+        return list(
+            pool.map(
+                lambda r: run_rank(
+                    addr, join_request(job, r, len(models), models[r]), models[r], 300
+                ),
+                range(len(models)),
+            )
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=10)
     parser.add_argument("--entries", type=int, default=100_000)
+    parser.add_argument(
+        "--jobs", type=int, default=3, help="jobs run one after the other (RSS after each)"
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/results/memory.json"))
     args = parser.parse_args()
     models = [model(args.entries, v) for v in range(args.ranks)]
@@ -68,24 +84,15 @@ def main() -> int:
 
             sampler = threading.Thread(target=sample)
             sampler.start()
-            started = time.monotonic()
-            with ThreadPoolExecutor(args.ranks) as pool:
-                results = list(
-                    pool.map(
-                        lambda r: run_rank(
-                            addr,
-                            join_request("big-models", r, args.ranks, models[r]),
-                            models[r],
-                            300,
-                        ),
-                        range(args.ranks),
-                    )
-                )
-            took = time.monotonic() - started
-            time.sleep(2.0)  # the verdict's fan-out done, uploads dropped
+            took, after = [], []
+            for job in range(args.jobs):
+                started = time.monotonic()
+                results = run_job(addr, f"big-models-{job}", models)
+                took.append(time.monotonic() - started)
+                time.sleep(2.0)  # the verdict's fan-out done, uploads dropped
+                after.append(rss_mib(server.pid))
             done.set()
             sampler.join()
-            after = rss_mib(server.pid)
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -97,15 +104,16 @@ def main() -> int:
         "uploads": uploads,
         "rss_before_mib": before,
         "rss_peak_mib": peak,
-        "rss_after_mib": after,
+        "rss_after_each_job_mib": after,
         "growth_peak_mib": peak - before,
-        "seconds": took,
+        "seconds_each_job": took,
         "outcomes": sorted(verdicts),
     }
     print(
         f"{args.ranks} distinct {args.entries}-entry manifests ({uploads} uploads): coordinator "
         f"RSS {before:.0f} MiB before, peak {peak:.0f} MiB (+{peak - before:.0f}), "
-        f"{after:.0f} MiB after the verdict; decided in {took:.1f}s"
+        f"after each of {args.jobs} jobs {', '.join(f'{a:.0f}' for a in after)} MiB; "
+        f"decided in {', '.join(f'{t:.1f}' for t in took)} s"
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(row, indent=1))

@@ -133,7 +133,7 @@ def _client_proc(
                     up = wire.manifest_answer(reqs[r], event.manifest_request.round, m)
                     stats["bytes"] += up.ByteSize()
                     stats["uploads"] += 1
-                    await stub.UploadManifest(up, timeout=60)
+                    await stub.UploadManifestChunks(wire.upload_chunks(up), timeout=60)
                 elif kind == "verdict":
                     stats["verdict"].append(time.time())
                     stats["decided"] = event.verdict.decided_at_unix

@@ -23,6 +23,7 @@ import grpc
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
+from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.edge.config import ServeConfig
 from coordinator.edge.server import RunningServer, start
@@ -120,8 +121,10 @@ def run_rank(
                     result.manifest_requests += 1
                     sent = upload or manifest
                     try:
-                        stub.UploadManifest(
-                            wire.manifest_answer(request, event.manifest_request.round, sent),
+                        stub.UploadManifestChunks(  # as the agent sends it
+                            wire.upload_chunks(
+                                wire.manifest_answer(request, event.manifest_request.round, sent)
+                            ),
                             timeout=timeout,
                         )
                     except grpc.RpcError as exc:  # as the agent does: keep waiting
@@ -300,6 +303,7 @@ def agent_rank(
     timeout_s: float = 60,
     digests: list[bytes] | None = None,
     sharded_without_layout: bool = False,
+    layout: Layout | None = None,
 ) -> pb.Verdict:
     """One rank through the agent's real join client (retries, backoff), without torch."""
     from agent.client import JoinOptions, join
@@ -326,6 +330,7 @@ def agent_rank(
         options=JoinOptions(timeout_s=timeout_s, backoff_max_s=0.5),
         digests=digests,
         sharded_without_layout=sharded_without_layout,
+        layout=layout,
     )
 
 

@@ -64,8 +64,10 @@ def test_a_whole_job_joining_at_once_reaches_the_coordinator(tmp_path: Path) -> 
                     async for event in stub.Join(req, timeout=150):
                         kind = event.WhichOneof("event")
                         if kind == "manifest_request":
-                            await stub.UploadManifest(
-                                wire.manifest_answer(req, event.manifest_request.round, m),
+                            await stub.UploadManifestChunks(
+                                wire.upload_chunks(
+                                    wire.manifest_answer(req, event.manifest_request.round, m)
+                                ),
                                 timeout=60,
                             )
                         elif kind == "verdict":

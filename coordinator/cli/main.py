@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from coordinator.cli import ops as ops_cli
 from coordinator.cli.run import cmd_run
 from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
+from coordinator.contract.limits import Limits
 from coordinator.decision.checks import policy_help
 from coordinator.edge.config import ServeConfig, from_env_and_flags
 
@@ -72,7 +73,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
-    limits = ("message-bytes", "world-size", "manifest-entries", "cohorts", "waiting-ranks")
+    limits = (
+        "message-bytes",
+        "upload-bytes",
+        "world-size",
+        "manifest-entries",
+        "cohorts",
+        "waiting-ranks",
+    )
     for limit in (
         *limits,
         "cohort-manifest-bytes",
@@ -118,6 +126,13 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "is sent on its own at once)",
     )
     p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=Limits.max_message_bytes,
+        help="the largest join taken, and the most one upstream group may carry: the "
+        f"coordinator's own --max-message-bytes (default {Limits.max_message_bytes})",
+    )
+    p.add_argument(
         "--port-file", type=Path, help="once serving, write the port here (default: none)"
     )
     p.add_argument(
@@ -138,8 +153,12 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from coordinator.cli import logs
     from coordinator.edge.relay import serve_relay
 
-    if args.local_ranks < 1 or args.window < 0:
-        print("cohortgate relay: --local-ranks must be >= 1 and --window >= 0", file=sys.stderr)
+    if args.local_ranks < 1 or args.window < 0 or args.max_message_bytes < 512 * 1024:
+        print(
+            "cohortgate relay: --local-ranks must be >= 1, --window >= 0 and "
+            "--max-message-bytes >= 524288",
+            file=sys.stderr,
+        )
         return 2
     try:
         split_host_port(args.upstream)
@@ -155,6 +174,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
                 args.listen,
                 window_s=args.window,
                 local_ranks=args.local_ranks,
+                max_message_bytes=args.max_message_bytes,
                 port_file=str(args.port_file) if args.port_file else None,
             )
         )

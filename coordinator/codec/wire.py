@@ -6,7 +6,7 @@ generated stubs: `import agent.client` loads nothing of the decision, state or s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.contract.errors import FailedPrecondition, InvalidArgument, LimitExceeded
@@ -99,7 +99,17 @@ def layout_from_pb(msg: pb.Layout, limits: Limits = DEFAULT_LIMITS) -> Layout:
         quantization=text(msg.quantization, "layout quantization"),
         pieces=tuple(pieces),
         format=msg.format,
+        wire=(_layout_from_wire, msg.SerializeToString()) if len(pieces) > WIRE_PIECES else None,
     )
+
+
+# A layout with more pieces than this crosses to a worker process as its wire bytes.
+WIRE_PIECES = 1024
+
+
+def _layout_from_wire(data: bytes) -> Layout:
+    """A layout already validated once, decoded again from its bytes (in a worker)."""
+    return layout_from_pb(pb.Layout.FromString(data))
 
 
 def layout_to_pb(lay: Layout) -> pb.Layout:
@@ -224,3 +234,22 @@ def digests_answer(
         incarnation=join.incarnation,
         digests=list(digests),
     )
+
+
+# The first chunk holds the request's front fields (job, round, rank, incarnation and
+# signature: < 1 KiB) and little else, so a refusal costs the sender one small message.
+FIRST_CHUNK_BYTES = 16 * 1024
+# Under the smallest --max-message-bytes a coordinator takes (512 KiB).
+CHUNK_BYTES = 256 * 1024
+
+
+def upload_chunks(
+    request: pb.UploadManifestRequest | pb.UploadDigestsRequest, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[pb.UploadChunk]:
+    """An upload as UploadManifestChunks / UploadDigestsChunks sends it: the serialized
+    request in order, the first chunk small and declaring the whole size."""
+    data = request.SerializeToString()
+    yield pb.UploadChunk(data=data[:FIRST_CHUNK_BYTES], total_bytes=len(data))
+    view = memoryview(data)
+    for start in range(FIRST_CHUNK_BYTES, len(data), chunk_bytes):
+        yield pb.UploadChunk(data=bytes(view[start : start + chunk_bytes]))

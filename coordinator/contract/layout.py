@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -79,6 +79,26 @@ class Layout:
     quantization: str = ""
     pieces: tuple[ShardPiece, ...] = ()
     format: int = LAYOUT_FORMAT_VERSION
+    # How a large layout crosses to a worker process: its wire bytes and the function that
+    # decodes them there (see codec.wire.layout_from_pb). Pickling 100k pieces as tuples
+    # holds the GIL (and so the coordinator's event loop) for ~0.2 s per rank; bytes, ~0.
+    wire: tuple[Callable[[bytes], Layout], bytes] | None = field(
+        default=None, compare=False, repr=False
+    )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.wire is not None:
+            decode, data = self.wire
+            return decode, (data,)
+        return Layout, (
+            self.sizes,
+            self.position,
+            self.config,
+            self.dtype,
+            self.quantization,
+            self.pieces,
+            self.format,
+        )
 
     def size(self, axis: str) -> int:
         return int(self.sizes.get(axis, 1))

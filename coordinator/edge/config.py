@@ -74,7 +74,14 @@ class ServeConfig(BaseModel):
         description="check levels, comma-separated " + policy_help(),
     )
     job_policy: str = Field("", description="per-job check levels, 'JOB:CHECK=LEVEL,...'")
-    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=512 * 1024,  # an upload's chunks (codec.wire.CHUNK_BYTES) must fit
+        description="one gRPC message (joins; uploads larger than this travel in chunks)",
+    )
+    max_upload_bytes: int = Field(
+        64 * 1024 * 1024, gt=0, description="one manifest or digest upload, all chunks"
+    )
     max_world_size: int = Field(1 << 20, gt=0)
     max_manifest_entries: int = Field(1_000_000, gt=0)
     max_cohorts: int = Field(10_000, gt=0, description="waiting cohorts across all jobs")
@@ -128,6 +135,7 @@ class ServeConfig(BaseModel):
     def limits(self) -> Limits:
         return Limits(
             max_message_bytes=self.max_message_bytes,
+            max_upload_bytes=self.max_upload_bytes,
             max_world_size=self.max_world_size,
             max_manifest_entries=self.max_manifest_entries,
             max_cohorts=self.max_cohorts,

@@ -6,7 +6,7 @@ encoded once for all its ranks goes out as bytes. Imports only grpc and the gene
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -53,6 +53,8 @@ RAW_REQUESTS = frozenset({"UploadManifest", "UploadDigests"})
 # The coordinator also takes joins as bytes: one with a 100k-piece layout is decoded and
 # validated off the loop (small ones, nearly all, inline).
 RAW_JOINS = RAW_REQUESTS | {"Join", "JoinGroup"}
+# A relay passes uploads' chunks upstream as they came, too.
+RAW_CHUNKS = RAW_REQUESTS | {"UploadManifestChunks", "UploadDigestsChunks"}
 
 
 def _raw(data: bytes) -> bytes:
@@ -72,34 +74,67 @@ def add_service(
     handlers = {}
     for method in descriptor.methods:
         request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
-        behavior = getattr(servicer, method.name)
         parse = _raw if method.name in raw else _safe_deserializer(request_cls)
-        if method.server_streaming:
-
-            async def stream(request: Any, context: Any, behavior: Any = behavior) -> Any:
-                if isinstance(request, Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                async for item in behavior(request, context):
-                    yield item
-
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=parse,
-                response_serializer=_serializer(response_cls),
-            )
-        else:
-
-            async def unary(request: Any, context: Any, behavior: Any = behavior) -> Any:
-                if isinstance(request, Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                return await behavior(request, context)
-
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=parse,
-                response_serializer=response_cls.SerializeToString,
-            )
+        handlers[method.name] = _handler(
+            method, getattr(servicer, method.name), parse, getattr(pb, method.output_type.name)
+        )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)
     )
+
+
+def _handler(
+    method: Any, behavior: Any, parse: Callable[[bytes], Any], response_cls: Any
+) -> grpc.RpcMethodHandler:
+    """The handler of one method, by its kind: a Malformed request aborts the call."""
+    if method.server_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            _stream(behavior),
+            request_deserializer=parse,
+            response_serializer=_serializer(response_cls),
+        )
+    handler = (
+        grpc.stream_unary_rpc_method_handler
+        if method.client_streaming
+        else grpc.unary_unary_rpc_method_handler
+    )
+    wrap = _client_stream if method.client_streaming else _unary
+    return handler(
+        wrap(behavior),
+        request_deserializer=parse,
+        response_serializer=response_cls.SerializeToString,
+    )
+
+
+async def _refuse(request: Any, context: Any) -> None:
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+def _stream(behavior: Any) -> Any:
+    async def stream(request: Any, context: Any) -> Any:
+        await _refuse(request, context)
+        async for item in behavior(request, context):
+            yield item
+
+    return stream
+
+
+def _client_stream(behavior: Any) -> Any:
+    async def client_stream(requests: AsyncIterator[Any], context: Any) -> Any:
+        async def checked() -> AsyncIterator[Any]:
+            async for request in requests:
+                await _refuse(request, context)
+                yield request
+
+        return await behavior(checked(), context)
+
+    return client_stream
+
+
+def _unary(behavior: Any) -> Any:
+    async def unary(request: Any, context: Any) -> Any:
+        await _refuse(request, context)
+        return await behavior(request, context)
+
+    return unary

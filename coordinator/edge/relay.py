@@ -26,7 +26,8 @@ from grpc_health.v1._async import HealthServicer
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
-from coordinator.edge.plumbing import add_service
+from coordinator.contract.limits import Limits
+from coordinator.edge.plumbing import RAW_CHUNKS, add_service
 from coordinator.edge.ports import bind
 
 log = structlog.get_logger("cohortgate.relay")
@@ -61,6 +62,7 @@ class _Group:
     call: grpc.aio.UnaryStreamCall | None = None
     regroup: bool = False  # the upstream call was cancelled because a rank left
     decided: bool = False
+    bytes: int = 0  # the JoinGroupRequest's size
 
 
 def _auth(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
@@ -73,7 +75,8 @@ def _auth(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
 
 
 async def _forward(method: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-    """A unary call passed upstream with the rank's token; its error passed back as it came."""
+    """A call (its request, or its stream of chunks) passed upstream with the rank's token;
+    its error passed back as it came."""
     try:
         return await method(request, metadata=_auth(context), timeout=context.time_remaining())
     except grpc.aio.AioRpcError as exc:
@@ -95,20 +98,24 @@ class Relay(pb_grpc.CohortServiceServicer):
         *,
         window_s: float = 2.0,
         local_ranks: int = 8,
+        max_message_bytes: int = Limits.max_message_bytes,
     ) -> None:
         self.upstream = upstream
+        # A group goes upstream as one message: it is cut before it grows past this.
+        self.max_message_bytes = max_message_bytes
         self.channel = (security or ClientSecurity()).aio_channel(upstream)
         self.stub = pb_grpc.CohortServiceStub(self.channel)
-        # Uploads pass through as the bytes the rank sent (see RAW_REQUESTS): never decoded.
-        service = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
-        self.raw_upload_manifest = self.channel.unary_unary(
-            f"/{service}/UploadManifest",
-            response_deserializer=pb.UploadManifestResponse.FromString,
-        )
-        self.raw_upload_digests = self.channel.unary_unary(
-            f"/{service}/UploadDigests",
-            response_deserializer=pb.UploadDigestsResponse.FromString,
-        )
+        # Uploads (whole or in chunks) pass through as the bytes the rank sent (see
+        # RAW_CHUNKS): never decoded.
+        service = pb.DESCRIPTOR.services_by_name["CohortService"]
+        self.raw: dict[str, Any] = {
+            m.name: (self.channel.stream_unary if m.client_streaming else self.channel.unary_unary)(
+                f"/{service.full_name}/{m.name}",
+                response_deserializer=getattr(pb, m.output_type.name).FromString,
+            )
+            for m in service.methods
+            if m.name in RAW_CHUNKS
+        }
         self.window_s = window_s
         self.local_ranks = local_ranks
         self._pending: dict[GroupKey, _Group] = {}
@@ -126,13 +133,18 @@ class Relay(pb_grpc.CohortServiceServicer):
             auth[0][1] if auth else "",
         )
         group = self._pending.get(key)
-        if group is not None and request.rank in group.ranks:
-            self._send(group)  # the same rank again (a restarted process): a group of its own
+        size = request.ByteSize() + 8  # its JoinGroupRequest.members field's tag and length
+        if group is not None and (
+            request.rank in group.ranks  # the same rank again (a restarted process)
+            or group.bytes + size > self.max_message_bytes  # the coordinator's message limit
+        ):
+            self._send(group)  # goes as it is; this rank starts the next group
             group = None
         if group is None:
             group = self._pending[key] = _Group(key, auth)
             group.timer = asyncio.get_running_loop().call_later(self.window_s, self._send, group)
         rank = group.ranks[request.rank] = _Rank(request)
+        group.bytes += size
         # grpc.aio does not always cancel a handler whose client went away; its context's
         # done callback always runs.
         context.add_done_callback(lambda _: rank.events.put_nowait(_GONE))
@@ -159,14 +171,32 @@ class Relay(pb_grpc.CohortServiceServicer):
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
         response: pb.UploadManifestResponse = await _forward(
-            self.raw_upload_manifest, data, context
+            self.raw["UploadManifest"], data, context
         )
         return response
 
     async def UploadDigests(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:
-        response: pb.UploadDigestsResponse = await _forward(self.raw_upload_digests, data, context)
+        response: pb.UploadDigestsResponse = await _forward(
+            self.raw["UploadDigests"], data, context
+        )
+        return response
+
+    async def UploadManifestChunks(  # type: ignore[override]  # raw bytes: see RAW_CHUNKS
+        self, chunks: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.UploadManifestResponse:
+        response: pb.UploadManifestResponse = await _forward(
+            self.raw["UploadManifestChunks"], chunks, context
+        )
+        return response
+
+    async def UploadDigestsChunks(  # type: ignore[override]  # raw bytes: see RAW_CHUNKS
+        self, chunks: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.UploadDigestsResponse:
+        response: pb.UploadDigestsResponse = await _forward(
+            self.raw["UploadDigestsChunks"], chunks, context
+        )
         return response
 
     async def JoinGroup(
@@ -270,17 +300,25 @@ async def serve_relay(
     window_s: float = 2.0,
     local_ranks: int = 8,
     port_file: str | None = None,
+    max_message_bytes: int = Limits.max_message_bytes,
 ) -> None:
     """Serve until SIGTERM or SIGINT."""
-    relay = Relay(upstream, ClientSecurity.from_env(), window_s=window_s, local_ranks=local_ranks)
+    relay = Relay(
+        upstream,
+        ClientSecurity.from_env(),
+        window_s=window_s,
+        local_ranks=local_ranks,
+        max_message_bytes=max_message_bytes,
+    )
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),  # one relay per address (see server.py)
+            ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ]
     )
-    add_service(server, "CohortService", relay)
+    add_service(server, "CohortService", relay, raw=RAW_CHUNKS)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = bind(server, "--listen", listen)

@@ -98,8 +98,11 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             # One process per address: with SO_REUSEPORT (gRPC's Linux default) a second
             # coordinator would take half the connections of the first.
             ("grpc.so_reuseport", 0),
+            # No one message may hold the event loop long (see Limits.max_message_bytes);
+            # a larger one is refused by grpc core, off the loop, as it arrives.
             ("grpc.max_receive_message_length", limits.max_message_bytes),
-            ("grpc.max_send_message_length", limits.max_message_bytes),
+            # Answers (a verdict, a listing) are encoded once and bounded by their own caps.
+            ("grpc.max_send_message_length", max(limits.max_upload_bytes, 64 << 20)),
             ("grpc.keepalive_time_ms", half_grace_ms),
             ("grpc.keepalive_timeout_ms", half_grace_ms),
             # grpcio 1.85 waits for a ping's answer `http2.ping_timeout_ms` (60 s by default),

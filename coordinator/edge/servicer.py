@@ -186,30 +186,106 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     async def UploadManifest(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadManifestResponse:
-        """Who sends, and whether the size is allowed, from the request's first fields;
-        only then is the manifest decoded, hashed and compacted (see _decoded)."""
         async with answering(self.coordinator, context, "UploadManifest"):
-            head = rpc.upload_header(data, pb.UploadManifestRequest)
-            structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
-            self.auth.check_job(_metadata(context), head.job_id)
-            ref, signature = rpc.upload_ref(head), sha256(head.signature, "signature")
-            if self.coordinator.wants_upload(ref, UploadKind.MANIFEST, signature, len(data)):
-                manifest = await self._decoded(rpc.manifest_of, data, process=True)
-                self.coordinator.upload(ref, manifest, signature, size=len(data))
+            await self._manifest(context, Upload.whole(data))
+        return pb.UploadManifestResponse()
+
+    async def UploadManifestChunks(
+        self, chunks: AsyncIterator[pb.UploadChunk], context: grpc.aio.ServicerContext
+    ) -> pb.UploadManifestResponse:
+        async with answering(self.coordinator, context, "UploadManifestChunks"):
+            await self._manifest(context, await Upload.chunked(chunks, self.limits))
         return pb.UploadManifestResponse()
 
     async def UploadDigests(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:
         async with answering(self.coordinator, context, "UploadDigests"):
-            head = rpc.upload_header(data, pb.UploadDigestsRequest)
-            structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
-            self.auth.check_job(_metadata(context), head.job_id)
-            ref = rpc.upload_ref(head)
-            if self.coordinator.wants_upload(ref, UploadKind.DIGESTS, b"", len(data)):
-                digests = await self._decoded(rpc.digests_of, data)
-                self.coordinator.upload_digests(ref, digests)
+            await self._digests(context, Upload.whole(data))
         return pb.UploadDigestsResponse()
+
+    async def UploadDigestsChunks(
+        self, chunks: AsyncIterator[pb.UploadChunk], context: grpc.aio.ServicerContext
+    ) -> pb.UploadDigestsResponse:
+        async with answering(self.coordinator, context, "UploadDigestsChunks"):
+            await self._digests(context, await Upload.chunked(chunks, self.limits))
+        return pb.UploadDigestsResponse()
+
+    async def _manifest(self, context: grpc.aio.ServicerContext, upload: Upload) -> None:
+        """Who sends, and whether the size is allowed, from the request's first fields;
+        only then is the rest received, and the manifest decoded, hashed and compacted
+        (see _decoded)."""
+        head = rpc.upload_header(upload.front, pb.UploadManifestRequest)
+        structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
+        self.auth.check_job(_metadata(context), head.job_id)
+        ref, signature = rpc.upload_ref(head), sha256(head.signature, "signature")
+        if self.coordinator.wants_upload(ref, UploadKind.MANIFEST, signature, upload.size):
+            data = await upload.rest()
+            manifest = await self._decoded(rpc.manifest_of, data, process=True)
+            self.coordinator.upload(ref, manifest, signature, size=len(data))
+
+    async def _digests(self, context: grpc.aio.ServicerContext, upload: Upload) -> None:
+        head = rpc.upload_header(upload.front, pb.UploadDigestsRequest)
+        structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
+        self.auth.check_job(_metadata(context), head.job_id)
+        ref = rpc.upload_ref(head)
+        if self.coordinator.wants_upload(ref, UploadKind.DIGESTS, b"", upload.size):
+            digests = await self._decoded(rpc.digests_of, await upload.rest())
+            await self.coordinator.upload_digests(ref, digests)
+
+
+class Upload:
+    """An upload's bytes as they arrive. `front` (the whole request, or its first chunk)
+    names the sender and `size` the whole; the rest of a chunked upload is received only
+    when `rest()` is awaited, after the coordinator has decided that it wants it: a
+    non-member's stream ends at its first chunk."""
+
+    def __init__(
+        self, front: bytes, size: int, more: AsyncIterator[pb.UploadChunk] | None = None
+    ) -> None:
+        self.front, self.size, self._more = front, size, more
+
+    @classmethod
+    def whole(cls, data: bytes) -> Upload:
+        return cls(data, len(data))
+
+    @classmethod
+    async def chunked(cls, chunks: AsyncIterator[pb.UploadChunk], limits: Limits) -> Upload:
+        first = await anext(chunks, None)
+        if first is None:
+            raise InvalidArgument("the upload stream ended before its first chunk")
+        size = first.total_bytes
+        if size > limits.max_upload_bytes:
+            raise LimitExceeded(
+                f"the upload declares {size} bytes; the limit is "
+                f"max_upload_bytes={limits.max_upload_bytes} (--max-upload-bytes)"
+            )
+        if len(first.data) > size:
+            raise InvalidArgument(
+                f"the first chunk holds {len(first.data)} bytes, more than the {size} bytes it "
+                "declares for the whole upload (UploadChunk.total_bytes)"
+            )
+        return cls(bytes(first.data), size, chunks)
+
+    async def rest(self) -> bytes:
+        if self._more is None:
+            return self.front
+        parts, received = [self.front], len(self.front)
+        async for chunk in self._more:
+            received += len(chunk.data)
+            if received > self.size:
+                raise InvalidArgument(
+                    f"the upload sent more than the {self.size} bytes its first chunk declared"
+                )
+            parts.append(chunk.data)
+        if received < self.size:
+            raise InvalidArgument(
+                f"the upload ended after {received} of the {self.size} bytes its first chunk "
+                "declared"
+            )
+        if received <= INLINE_DECODE_BYTES:
+            return b"".join(parts)
+        return await asyncio.to_thread(b"".join, parts)  # copies without the GIL
 
 
 class StatusServicer(pb_grpc.StatusServiceServicer):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.contract import ranges
+from coordinator.contract.digests import combine_uploaded
 from coordinator.contract.errors import FailedPrecondition, LimitExceeded, Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import ManifestLike
@@ -62,6 +63,8 @@ ASK_AGAIN_S = 5.0
 # Above this many layout pieces (or manifest entries, when classes differ) a complete
 # cohort is decided in a worker thread: ~0.1 s of the loop's time at most.
 OFFLOAD_ABOVE = 20_000
+# Digest uploads with more entries are combined in a worker thread (see upload_digests).
+INLINE_DIGESTS = 10_000
 
 
 _WORKERS: ProcessPoolExecutor | None = None
@@ -399,9 +402,17 @@ class Coordinator:
         )
         self.evaluate(cohort)
 
-    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> None:
+    async def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> None:
+        """Digests combined under their manifest's names (1M SHA-256 updates for a 1M-entry
+        model) in a worker thread when many, then checked and kept on the loop."""
+        combined = None
+        if len(digests) > INLINE_DIGESTS:
+            manifest = self.store.digests_manifest(ref)
+            combined = await asyncio.to_thread(
+                lambda: combine_uploaded((e.name for e in manifest.entries), digests)
+            )
         try:
-            cohort = self.store.upload_digests(ref, digests)
+            cohort = self.store.upload_digests(ref, digests, combined)
         except InvalidUpload as exc:
             self.evaluate(exc.cohort)
             raise

@@ -142,8 +142,15 @@ class CohortStore(abc.ABC):
         """A manifest upload, checked against its signature (InvalidUpload if it lies)."""
 
     @abc.abstractmethod
-    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> LiveCohort:
-        """Per-tensor digests, checked against the weights digest (InvalidUpload if not)."""
+    def digests_manifest(self, ref: UploadRef) -> ManifestLike:
+        """The manifest whose entries name `ref`'s digests (checks that they were asked)."""
+
+    @abc.abstractmethod
+    def upload_digests(
+        self, ref: UploadRef, digests: list[bytes], combined: bytes | None = None
+    ) -> LiveCohort:
+        """Per-tensor digests, checked against the weights digest (InvalidUpload if not);
+        `combined`: their combination, when the caller computed it off the event loop."""
 
     @abc.abstractmethod
     def evaluate(self, cohort: LiveCohort) -> Decision | None:

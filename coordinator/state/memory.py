@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.contract.digests import DIGEST_BYTES, combine
+from coordinator.contract.digests import DIGEST_BYTES, combine_uploaded
 from coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
@@ -345,31 +345,33 @@ class MemoryStore(CohortStore):
             job.incarnations[m.incarnation] = cohort.round
         return decision
 
-    def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> LiveCohort:
+    def digests_manifest(self, ref: UploadRef) -> ManifestLike:
         cohort, member = self._member(ref, "digests")
-        rank = ref.rank
         self._check_digests_expected(ref, member)
-        if len(digests) != member.manifest_entries:
-            raise InvalidArgument(
-                f"{len(digests)} digests uploaded, but rank {rank}'s manifest has "
-                f"{member.manifest_entries} entries: send one per entry, in manifest order"
-            )
-        bad = next((i for i, d in enumerate(digests) if len(d) != DIGEST_BYTES), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"digests[{bad}] is {len(digests[bad])} bytes; each digest is {DIGEST_BYTES}"
-            )
         manifest = cohort.state.manifests.get(member.signature)
         if manifest is None:
             raise FailedPrecondition(
-                f"the manifest of rank {rank}'s signature is not uploaded yet; digests are "
+                f"the manifest of rank {ref.rank}'s signature is not uploaded yet; digests are "
                 "named by its entries"
             )
-        names = [e.name for e in manifest.entries]
-        if combine(zip(names, digests, strict=True)) != member.weights_digest:
+        return manifest
+
+    def upload_digests(
+        self, ref: UploadRef, digests: list[bytes], combined: bytes | None = None
+    ) -> LiveCohort:
+        cohort, member = self._member(ref, "digests")
+        manifest = self.digests_manifest(ref)
+        if len(digests) != member.manifest_entries:
+            raise InvalidArgument(
+                f"{len(digests)} digests uploaded, but rank {ref.rank}'s manifest has "
+                f"{member.manifest_entries} entries: send one per entry, in manifest order"
+            )
+        if combined is None:
+            combined = combine_uploaded((e.name for e in manifest.entries), digests)
+        if combined != member.weights_digest:
             message = (
-                f"the per-tensor digests uploaded by rank {rank} (host {member.host}) do not "
-                "combine to the weights digest it joined with: the weights changed between "
+                f"the per-tensor digests uploaded by rank {ref.rank} (host {member.host}) do "
+                "not combine to the weights digest it joined with: the weights changed between "
                 "digesting and uploading, or agent and coordinator versions differ"
             )
             raise self._invalid(cohort, UploadKind.DIGESTS, member.weights_digest, message)

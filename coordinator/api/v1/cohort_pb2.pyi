@@ -47,6 +47,34 @@ COHORT_STATE_ABANDONED: CohortState.ValueType  # 5
 Global___CohortState: _TypeAlias = CohortState  # noqa: Y015
 
 @_typing.final
+class UploadChunk(_message.Message):
+    """A slice of a serialized UploadManifestRequest or UploadDigestsRequest, in order. The
+    first chunk holds at least the request's fields before the payload (job, round, rank,
+    incarnation, signature) and says how large the whole request is.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    total_bytes: _builtins.int
+    """first chunk only: the serialized request's size"""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        total_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadChunk: _TypeAlias = UploadChunk  # noqa: Y015
+
+@_typing.final
 class RuntimeFacts(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

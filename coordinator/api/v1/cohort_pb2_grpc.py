@@ -56,6 +56,16 @@ class CohortServiceStub:
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
                 _registered_method=True)
+        self.UploadManifestChunks = channel.stream_unary(
+                '/cohortgate.v1.CohortService/UploadManifestChunks',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
+                _registered_method=True)
+        self.UploadDigestsChunks = channel.stream_unary(
+                '/cohortgate.v1.CohortService/UploadDigestsChunks',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+                _registered_method=True)
 
 
 class CohortServiceServicer:
@@ -94,6 +104,23 @@ class CohortServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadManifestChunks(self, request_iterator, context):
+        """The same two answers as a stream of chunks: how an upload larger than one message
+        travels (messages are capped at --max-message-bytes, 4 MiB by default, so that no one
+        message holds the coordinator's event loop for long). The coordinator reads who sends
+        it, and the declared size, from the first chunk, and ends the call before the rest
+        arrives when it did not ask that rank or the size is over --max-upload-bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadDigestsChunks(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CohortServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +142,16 @@ def add_CohortServiceServicer_to_server(servicer, server):
             'UploadDigests': grpc.unary_unary_rpc_method_handler(
                     servicer.UploadDigests,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
+            ),
+            'UploadManifestChunks': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadManifestChunks,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.SerializeToString,
+            ),
+            'UploadDigestsChunks': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadDigestsChunks,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
             ),
     }
@@ -227,6 +264,60 @@ class CohortService:
             target,
             '/cohortgate.v1.CohortService/UploadDigests',
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadManifestChunks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/cohortgate.v1.CohortService/UploadManifestChunks',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadDigestsChunks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/cohortgate.v1.CohortService/UploadDigestsChunks',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
             options,
             channel_credentials,

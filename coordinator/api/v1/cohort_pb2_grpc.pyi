@@ -48,6 +48,14 @@ class CohortServiceStub:
     """
     UploadDigests: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.UploadDigestsRequest, _cohort_pb2.UploadDigestsResponse]
     """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
+    UploadManifestChunks: _grpc.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadManifestResponse]
+    """The same two answers as a stream of chunks: how an upload larger than one message
+    travels (messages are capped at --max-message-bytes, 4 MiB by default, so that no one
+    message holds the coordinator's event loop for long). The coordinator reads who sends
+    it, and the declared size, from the first chunk, and ends the call before the rest
+    arrives when it did not ask that rank or the size is over --max-upload-bytes.
+    """
+    UploadDigestsChunks: _grpc.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadDigestsResponse]
 
 @_typing.type_check_only
 class CohortServiceAsyncStub(CohortServiceStub):
@@ -69,6 +77,14 @@ class CohortServiceAsyncStub(CohortServiceStub):
     """
     UploadDigests: _aio.UnaryUnaryMultiCallable[_cohort_pb2.UploadDigestsRequest, _cohort_pb2.UploadDigestsResponse]  # type: ignore[assignment]
     """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
+    UploadManifestChunks: _aio.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadManifestResponse]  # type: ignore[assignment]
+    """The same two answers as a stream of chunks: how an upload larger than one message
+    travels (messages are capped at --max-message-bytes, 4 MiB by default, so that no one
+    message holds the coordinator's event loop for long). The coordinator reads who sends
+    it, and the declared size, from the first chunk, and ends the call before the rest
+    arrives when it did not ask that rank or the size is over --max-upload-bytes.
+    """
+    UploadDigestsChunks: _aio.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadDigestsResponse]  # type: ignore[assignment]
 
 class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
     """Ranks join here. One Join call per rank per round: the coordinator streams progress,
@@ -111,6 +127,26 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cohort_pb2.UploadDigestsResponse, _abc.Awaitable[_cohort_pb2.UploadDigestsResponse]]:
         """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
+
+    @_abc_1.abstractmethod
+    def UploadManifestChunks(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cohort_pb2.UploadChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.UploadManifestResponse, _abc.Awaitable[_cohort_pb2.UploadManifestResponse]]:
+        """The same two answers as a stream of chunks: how an upload larger than one message
+        travels (messages are capped at --max-message-bytes, 4 MiB by default, so that no one
+        message holds the coordinator's event loop for long). The coordinator reads who sends
+        it, and the declared size, from the first chunk, and ends the call before the rest
+        arrives when it did not ask that rank or the size is over --max-upload-bytes.
+        """
+
+    @_abc_1.abstractmethod
+    def UploadDigestsChunks(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cohort_pb2.UploadChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.UploadDigestsResponse, _abc.Awaitable[_cohort_pb2.UploadDigestsResponse]]: ...
 
 def add_CohortServiceServicer_to_server(servicer: CohortServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
