@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from agent.client import CohortgateError
     from agent.cohort import Cohort, CohortRefused, init_process_group, join
     from agent.dtensor import dtensor_pieces
+    from agent.identity import tokenizer_fingerprint
     from agent.signature import manifest
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "join",
     "layout",
     "manifest",
+    "tokenizer_fingerprint",
 ]
 
 # Loaded on first use: importing agent must not pull in torch or grpc.
@@ -43,6 +45,7 @@ _LAZY = {
     "Cohort": "agent.cohort",
     "CohortRefused": "agent.cohort",
     "CohortgateError": "agent.client",
+    "tokenizer_fingerprint": "agent.identity",
 }
 
 

@@ -8,7 +8,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -90,6 +90,7 @@ def join(
     layout: Layout | None = None,
     digests: Sequence[bytes] | None = None,
     sharded_without_layout: bool = False,
+    agreed: Mapping[str, Mapping[str, str]] | None = None,
 ) -> pb.Verdict:
     """Join the cohort and block until its verdict (FORMED or REFUSED). `digests`: the
     per-tensor weight digests in manifest order (agent.digest), to have values checked."""
@@ -114,6 +115,7 @@ def join(
     )
     if layout is not None:
         request.layout.CopyFrom(wire.layout_to_pb(layout))
+    _fingerprints(request, agreed or {})
     if digests is not None:
         names = [e.name for e in manifest.entries]
         request.weights_digest = combine(zip(names, digests, strict=True))
@@ -189,6 +191,13 @@ def join(
             # Full jitter: 4,096 ranks reconnecting at once must not arrive in lockstep.
             time.sleep(min(random.uniform(0, delay), max(give_up_at - time.monotonic(), 0)))
             delay = min(delay * 2, opts.backoff_max_s)
+
+
+def _fingerprints(request: pb.JoinRequest, agreed: Mapping[str, Mapping[str, str]]) -> None:
+    """The config, code and facts fingerprints into the join (sent, even when empty)."""
+    for name, fields in agreed.items():
+        getattr(request, name).SetInParent()
+        getattr(request, name).fields.update(fields)
 
 
 def _too_large(request: pb.JoinRequest, details: str) -> str:

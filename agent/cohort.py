@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -115,8 +116,19 @@ def join(
     timeout_s: float | None = None,
     layout: Layout | LayoutBuilder | None = None,
     verify_values: bool = False,
+    config: Any = None,
+    facts: Mapping[str, Any] | None = None,
+    packages: Sequence[str] = (),
 ) -> Cohort:
     """Present this rank's model signature and block until the coordinator decides.
+
+    Beyond the parameters, every rank must agree on (each checked field by field):
+    - the model config: `config`, or the model's own `model.config` (every Hugging Face
+      model has one); GPT-2 with another n_head has the same shapes, not the same model;
+    - the training code: the launching script, its git commit and local changes, and the
+      versions of numerics packages (torch, transformers, ... and `packages`);
+    - `facts`: small values the job must share, e.g. {"tokenizer":
+      agent.tokenizer_fingerprint(tok), "data": "mix-v3", "resume_step": 1200}.
 
     verify_values=True also sends a digest of the weights' values, computed on their own
     device (agent.digest), so a coordinator with the `weights` check on refuses replicas
@@ -130,7 +142,8 @@ def join(
     writes it to TORCHELASTIC_ERROR_FILE and raises CohortRefused.
     """
     try:
-        return _join(model, job_id, addr, timeout_s, layout, verify_values)
+        agreed = _agreed(model, config, facts, packages)
+        return _join(model, job_id, addr, timeout_s, layout, verify_values, agreed)
     except CohortRefused:
         raise  # its report is on stderr and in the error file already
     except Exception as exc:
@@ -141,6 +154,24 @@ def join(
         raise
 
 
+def _agreed(
+    model: Any, config: Any, facts: Mapping[str, Any] | None, packages: Sequence[str]
+) -> dict[str, dict[str, str]]:
+    """The fingerprints this rank sends: config (when there is one), code, facts (when given)."""
+    from agent.identity import code_fields
+    from coordinator.contract.fingerprint import config_fields, flatten
+
+    agreed = {"code": code_fields(packages)}
+    config = config if config is not None else getattr(model, "config", None)
+    if config is not None and (
+        callable(getattr(config, "to_dict", None)) or isinstance(config, Mapping)
+    ):
+        agreed["config"] = config_fields(config)
+    if facts is not None:
+        agreed["facts"] = flatten(facts)
+    return agreed
+
+
 def _join(
     model: torch.nn.Module,
     job_id: str | None,
@@ -148,6 +179,7 @@ def _join(
     timeout_s: float | None,
     layout: Layout | LayoutBuilder | None,
     verify_values: bool,
+    agreed: dict[str, dict[str, str]],
 ) -> Cohort:
     from agent.client import runtime_facts
     from agent.signature import manifest as build_manifest
@@ -181,6 +213,7 @@ def _join(
         layout=layout.build() if isinstance(layout, LayoutBuilder) else layout,
         digests=digests,
         sharded_without_layout=sharded,
+        agreed=agreed,
     )
     if verdict.outcome == pb.Verdict.OUTCOME_FORMED:
         _register_drain()
@@ -218,7 +251,16 @@ def init_process_group(model: torch.nn.Module, backend: str | None = None, **kwa
 
     join_kwargs = {
         k: kwargs.pop(k)
-        for k in ("job_id", "addr", "timeout_s", "layout", "verify_values")
+        for k in (
+            "job_id",
+            "addr",
+            "timeout_s",
+            "layout",
+            "verify_values",
+            "config",
+            "facts",
+            "packages",
+        )
         if k in kwargs
     }
     cohort = join(model, **join_kwargs)

@@ -25,3 +25,5 @@ class Limits:
     # WatchCohorts streams: each costs a wake-up per change of the jobs it watches.
     max_watchers: int = 1_000
     max_watchers_per_token: int = 100
+    # Fields of one fingerprint a join carries (model config, training code, declared facts).
+    max_fingerprint_fields: int = 4_096

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 def compress(ranks: Iterable[int]) -> str:
@@ -67,3 +67,12 @@ def missing_text(present: Iterable[int], world_size: int, max_runs: int = 20) ->
         expected = r + 1
     text = ",".join(runs)
     return text if total <= max_runs else f"{text} and {total - max_runs} more runs"
+
+
+def by_value(values: Mapping[int, str]) -> str:
+    """'v1 on ranks 0-3, v2 on ranks 4-7': values grouped with their ranks."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in values.items():
+        groups.setdefault(value, []).append(rank)
+    ordered = sorted(groups.items(), key=lambda kv: min(kv[1]))
+    return ", ".join(f"{v or '(none)'} on ranks {compress_capped(rs, 8)}" for v, rs in ordered)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator.contract import ranges
+from coordinator.contract.fingerprint import Fields
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import ManifestLike
 
@@ -44,6 +46,9 @@ class Member:
     weights_digest: bytes = b""  # agent.join(verify_values=True); b"": not sent
     launch: str = ""  # which launch of the job (torchrun's store endpoint); "": unknown
     sharded_without_layout: bool = False  # DTensor parameters, no layout declared
+    # What the job must agree on beyond parameters (see contract.fingerprint): check name
+    # ("config", "code", "facts") -> the rank's fields; a name absent: not sent.
+    agreed: Mapping[str, Fields] = field(default_factory=dict)
     joined_at: float = 0.0
     last_seen: float = 0.0
 
@@ -166,6 +171,9 @@ class Cause(enum.StrEnum):
     RUNTIME = "runtime"
     WEIGHTS = "weights"
     LAUNCH = "launch"
+    CONFIG = "config"
+    CODE = "code"
+    FACTS = "facts"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from coordinator.contract.errors import (
     InvalidArgument,
     LimitExceeded,
 )
+from coordinator.contract.fingerprint import AGREED, Fields, check_fields
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import HeldManifest
 from coordinator.contract.runtime import RUNTIME_FIELDS
@@ -56,6 +57,9 @@ _CAUSE_TO_PB = {
     Cause.RUNTIME: pb.Refusal.CAUSE_RUNTIME,
     Cause.WEIGHTS: pb.Refusal.CAUSE_WEIGHTS,
     Cause.LAUNCH: pb.Refusal.CAUSE_LAUNCH,
+    Cause.CONFIG: pb.Refusal.CAUSE_CONFIG,
+    Cause.CODE: pb.Refusal.CAUSE_CODE,
+    Cause.FACTS: pb.Refusal.CAUSE_FACTS,
 }
 
 
@@ -108,10 +112,26 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         weights_digest=weights_digest,
         launch=text(req.launch, "launch"),
         sharded_without_layout=req.sharded_without_layout,
+        agreed=agreed_of(req, limits),
     )
     return JoinIntent(
         job_id=job_id, round=req.round, member=member, world_size=req.world_size, quiet=req.quiet
     )
+
+
+def agreed_of(req: pb.JoinRequest, limits: Limits) -> dict[str, Fields]:
+    """The fingerprints a join carries (config, code, facts), each within its limits."""
+    agreed = {}
+    for name in AGREED:
+        if req.HasField(name):  # type: ignore[arg-type]  # one of AGREED's names
+            fields = getattr(req, name).fields
+            try:
+                agreed[name] = check_fields(name, fields.items(), limits.max_fingerprint_fields)
+            except OverflowError as exc:
+                raise LimitExceeded(str(exc)) from None
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+    return agreed
 
 
 # Members of one JoinGroup call: a node's local ranks (8 on a GPU node); room for big hosts.

@@ -136,6 +136,9 @@ class JoinRequest(_message.Message):
     WEIGHTS_DIGEST_FORMAT_FIELD_NUMBER: _builtins.int
     LAUNCH_FIELD_NUMBER: _builtins.int
     SHARDED_WITHOUT_LAYOUT_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    FACTS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -182,6 +185,22 @@ class JoinRequest(_message.Message):
     def layout(self) -> Global___Layout:
         """sharded jobs: this rank's place in the mesh and its pieces"""
 
+    @_builtins.property
+    def config(self) -> Global___Fingerprint:
+        """What every rank of the job must agree on beyond its parameters, each compared field
+        by field across all ranks (under a layout too: never per replica group). Absent: not
+        sent (an older agent, or nothing to say).
+        the model's config (a Hugging Face model.config, or config=)
+        """
+
+    @_builtins.property
+    def code(self) -> Global___Fingerprint:
+        """the launching script, its git commit, numerics packages"""
+
+    @_builtins.property
+    def facts(self) -> Global___Fingerprint:
+        """agent.join(facts={...}): tokenizer, data mix, resume step..."""
+
     def __init__(
         self,
         *,
@@ -204,14 +223,61 @@ class JoinRequest(_message.Message):
         weights_digest_format: _builtins.int = ...,
         launch: _builtins.str = ...,
         sharded_without_layout: _builtins.bool = ...,
+        config: Global___Fingerprint | None = ...,
+        code: Global___Fingerprint | None = ...,
+        facts: Global___Fingerprint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "config", b"config", "facts", b"facts", "layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "launch", b"launch", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "sharded_without_layout", b"sharded_without_layout", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "config", b"config", "facts", b"facts", "host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "launch", b"launch", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "round", b"round", "runtime", b"runtime", "sharded_without_layout", b"sharded_without_layout", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class Fingerprint(_message.Message):
+    """Named values, each a dotted field name ("rope_parameters.rope_theta") and its canonical
+    JSON value ("500000.0"); values too long to compare as text are sent as "sha256:<hex>".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class FieldsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    FIELDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def fields(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        fields: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fingerprint: _TypeAlias = Fingerprint  # noqa: Y015
 
 @_typing.final
 class JoinGroupRequest(_message.Message):
@@ -822,6 +888,12 @@ class Refusal(_message.Message):
         """replicas hold different weight values"""
         CAUSE_LAUNCH: Refusal._Cause.ValueType  # 7
         """ranks of two launches joined under one job id"""
+        CAUSE_CONFIG: Refusal._Cause.ValueType  # 8
+        """ranks disagree on the model config"""
+        CAUSE_CODE: Refusal._Cause.ValueType  # 9
+        """ranks run different training code"""
+        CAUSE_FACTS: Refusal._Cause.ValueType  # 10
+        """ranks disagree on declared facts"""
 
     class Cause(_Cause, metaclass=_CauseEnumTypeWrapper): ...
     CAUSE_UNSPECIFIED: Refusal.Cause.ValueType  # 0
@@ -837,6 +909,12 @@ class Refusal(_message.Message):
     """replicas hold different weight values"""
     CAUSE_LAUNCH: Refusal.Cause.ValueType  # 7
     """ranks of two launches joined under one job id"""
+    CAUSE_CONFIG: Refusal.Cause.ValueType  # 8
+    """ranks disagree on the model config"""
+    CAUSE_CODE: Refusal.Cause.ValueType  # 9
+    """ranks run different training code"""
+    CAUSE_FACTS: Refusal.Cause.ValueType  # 10
+    """ranks disagree on declared facts"""
 
     CAUSE_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int

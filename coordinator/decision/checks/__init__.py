@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from coordinator.decision.checks.agreement import AGREEMENT_CHECKS
 from coordinator.decision.checks.base import Check, Context, Finding, Level, Result, warnings
 from coordinator.decision.checks.coverage import CoverageCheck
 from coordinator.decision.checks.layout import LayoutCheck
@@ -21,6 +22,7 @@ CHECKS: tuple[Check, ...] = (
     LayoutCheck(),
     CoverageCheck(),
     ModelCheck(),
+    *AGREEMENT_CHECKS,
     *RUNTIME_CHECKS,
     WeightsCheck(),
 )

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from coordinator.contract import ranges
 from coordinator.contract.layout import Layout
+from coordinator.contract.ranges import by_value
 from coordinator.decision.cohort import Cause, CohortState, SignatureClass
 
 
@@ -84,17 +84,6 @@ class Check:
         n = ctx.cohort.world_size
         names = ", ".join(dict.fromkeys(f.check for f in strict))
         return f"[{len(ctx.cohort.members)}/{n} ranks joined; {self.refusal}: {names}]"
-
-
-def by_value(values: Mapping[int, str]) -> str:
-    """'v1 on ranks 0-3, v2 on ranks 4-7': values grouped with their ranks."""
-    groups: dict[str, list[int]] = {}
-    for rank, value in values.items():
-        groups.setdefault(value, []).append(rank)
-    ordered = sorted(groups.items(), key=lambda kv: min(kv[1]))
-    return ", ".join(
-        f"{v or '(none)'} on ranks {ranges.compress_capped(rs, 8)}" for v, rs in ordered
-    )
 
 
 def disagreement(name: str, values: Mapping[int, str]) -> str | None:

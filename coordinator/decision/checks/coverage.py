@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from coordinator.contract.layout import Layout
+from coordinator.contract.ranges import by_value
 from coordinator.decision import coverage
 from coordinator.decision.checks.base import (
     Check,
@@ -13,7 +14,6 @@ from coordinator.decision.checks.base import (
     Finding,
     Level,
     Result,
-    by_value,
     disagreement,
 )
 from coordinator.decision.checks.layout import layered_reason

@@ -1,0 +1,63 @@
+"""The `config`, `code` and `facts` checks: what every rank must agree on beyond its
+parameters (contract.fingerprint), compared field by field across all ranks of the job,
+under a layout too (a model config is global, never per replica group)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from coordinator.contract.fingerprint import AGREED, Fields, disagreements
+from coordinator.decision.checks.base import Check, Context, Finding, Level, Result
+from coordinator.decision.cohort import Cause
+
+
+class AgreementCheck(Check):
+    """One fingerprint every rank must agree on. Ranks that sent none (an older agent, a
+    model without a config) are compared too, but refused for only when `partial_strict`:
+    otherwise a partial fingerprint warns at most."""
+
+    def __init__(
+        self, name: str, default: Level, cause: Cause, refusal: str, partial_strict: bool
+    ) -> None:
+        self.name = name  # type: ignore[misc]  # one class, three checks
+        self.default = default  # type: ignore[misc]
+        self.cause = cause  # type: ignore[misc]
+        self.refusal = refusal  # type: ignore[misc]
+        self.help = f"every rank sends the same {AGREED[name]}"  # type: ignore[misc]
+        self.partial_strict = partial_strict
+
+    def run(self, ctx: Context, level: Level) -> Result:
+        sent: dict[int, Fields | None] = {
+            r: m.agreed.get(self.name) for r, m in ctx.cohort.members.items()
+        }
+        if all(f is None for f in sent.values()):
+            return Result()
+        lines, count = disagreements(self.name, sent)
+        if not lines:
+            return Result()
+        if level is Level.STRICT and not self.partial_strict and None in sent.values():
+            level = Level.WARN
+        if count > len(lines):
+            lines.append(f"{self.name}: and {count - len(lines)} more differing field(s)")
+        odd = _minority(sent)
+        return Result(tuple(Finding(self.name, level, line, odd) for line in lines))
+
+    def reason(self, ctx: Context, strict: list[Finding]) -> str:
+        n = ctx.cohort.world_size
+        return f"[{n}/{n} ranks joined; {self.refusal}]"
+
+
+def _minority(sent: dict[int, Fields | None]) -> tuple[int, ...]:
+    """The ranks outside the largest group of equal fingerprints: the likely culprits."""
+    counts = Counter(sent.values())
+    common, _ = counts.most_common(1)[0]
+    return tuple(sorted(r for r, f in sent.items() if f != common))
+
+
+AGREEMENT_CHECKS = (
+    AgreementCheck(
+        "config", Level.STRICT, Cause.CONFIG, "ranks disagree on the model config", False
+    ),
+    AgreementCheck("code", Level.WARN, Cause.CODE, "ranks run different training code", False),
+    AgreementCheck("facts", Level.STRICT, Cause.FACTS, "ranks disagree on declared facts", True),
+)

@@ -1,0 +1,185 @@
+"""The config, code and facts checks: what every rank must agree on beyond its parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+import pytest
+
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.contract.fingerprint import Fields, config_fields, fields_of, flatten
+from coordinator.contract.layout import layout
+from coordinator.decision.checks import Level, Policies
+from coordinator.decision.cohort import Cause, CohortState, Member, Outcome
+from coordinator.decision.formation import FormationOptions
+from coordinator.decision.report import judge
+from tests.helpers import InProcessCoordinator, join_request, manifest_of
+
+OPTS = FormationOptions(join_deadline_s=60)
+
+
+def state(agreed: Mapping[int, Mapping[str, Fields]], tp: int = 1) -> CohortState:
+    m = manifest_of()
+    s = CohortState("j", 1, len(agreed), first_join_at=0.0)
+    for r, fingerprints in agreed.items():
+        lay = None
+        if tp > 1:
+            decl = layout(r, tp=tp, dp=len(agreed) // tp)
+            decl.replicated("fc.weight", (4, 8))
+            lay = decl.build()
+        s.add(
+            Member(
+                rank=r,
+                host=f"node{r // 2}",
+                pid=r,
+                incarnation=f"i{r}",
+                signature=m.signature(),
+                manifest_entries=len(m),
+                runtime={"device_type": "cpu"},
+                layout=lay,
+                agreed=dict(fingerprints),
+            ),
+            0.0,
+        )
+    s.manifests[m.signature()] = m
+    return s
+
+
+def config(**values: object) -> Fields:
+    return fields_of(config_fields(values))
+
+
+def decide(s: CohortState, **levels: Level) -> tuple[Outcome, str, str, tuple[str, ...]]:
+    opts = FormationOptions(join_deadline_s=60, policies=Policies(levels))
+    decision, verdict = judge(s, 1.0, opts)
+    assert verdict is not None
+    return decision.outcome, verdict.report, verdict.headline, verdict.warnings
+
+
+def test_a_config_field_that_differs_is_refused_naming_field_values_and_ranks() -> None:
+    agreed = {r: {"config": config(num_attention_heads=2 if r else 4, n_layer=2)} for r in range(4)}
+    outcome, report, headline, _ = decide(state(agreed))
+    assert outcome is Outcome.REFUSED
+    assert "config.num_attention_heads: 4 on ranks 0, 2 on ranks 1-3" in report, report
+    assert "n_layer" not in report
+    assert headline.startswith("ranks disagree on the model config: config.num_attention_heads")
+    assert "they disagree on the model config" in report.splitlines()[0]
+
+
+def test_metadata_keys_and_equal_configs_form() -> None:
+    agreed = {
+        r: {"config": config(_name_or_path=f"/ckpt/{r}", transformers_version="5", n_head=4)}
+        for r in range(4)
+    }
+    assert decide(state(agreed))[0] is Outcome.FORMED
+
+
+def test_under_a_layout_the_config_is_global_not_per_replica_group() -> None:
+    # tp=2 x dp=2: ranks 1 and 3 are one replica group, 0 and 2 the other; each group
+    # agrees within itself, the two groups do not.
+    agreed = {r: {"config": config(rope_theta=10000.0 if r % 2 else 500000.0)} for r in range(4)}
+    outcome, report, _, _ = decide(state(agreed, tp=2))
+    assert outcome is Outcome.REFUSED
+    assert "config.rope_theta: 500000.0 on ranks 0,2, 10000.0 on ranks 1,3" in report, report
+
+
+def test_code_differences_warn_by_default_and_refuse_under_strict() -> None:
+    script = {
+        r: fields_of({"script": '"train.py sha256:' + ("b" if r == 3 else "a") + '"'})
+        for r in range(4)
+    }
+    agreed = {r: {"code": script[r]} for r in range(4)}
+    outcome, _, _, warnings = decide(state(agreed))
+    assert outcome is Outcome.FORMED
+    assert warnings == (
+        'code: code.script: "train.py sha256:a" on ranks 0-2, "train.py sha256:b" on ranks 3',
+    )
+    outcome, report, headline, _ = decide(state(agreed), code=Level.STRICT)
+    assert outcome is Outcome.REFUSED
+    assert "ranks run different training code" in headline
+    assert "--policy code=warn" in report
+
+
+def test_facts_differing_in_one_key_are_refused_and_a_rank_without_facts_too() -> None:
+    facts = {
+        r: fields_of(flatten({"data": "mix-v3", "resume_step": 1200 if r else 1100}))
+        for r in range(3)
+    }
+    outcome, report, _, _ = decide(state({r: {"facts": facts[r]} for r in range(3)}))
+    assert outcome is Outcome.REFUSED
+    assert "facts.resume_step: 1100 on ranks 0, 1200 on ranks 1-2" in report, report
+    assert "facts.data" not in report
+    agreed: dict[int, dict[str, Fields]] = {r: {"facts": facts[1]} for r in range(2)}
+    agreed[2] = {}
+    outcome, report, _, _ = decide(state(agreed))
+    assert outcome is Outcome.REFUSED and "facts: not sent by ranks 2" in report, report
+
+
+def test_a_partial_config_warns_and_a_check_set_off_says_nothing() -> None:
+    agreed: dict[int, dict[str, Fields]] = {0: {"config": config(n_head=4)}, 1: {}}
+    outcome, _, _, warnings = decide(state(agreed))
+    assert outcome is Outcome.FORMED and warnings == ("config: config: not sent by ranks 1",)
+    different = {r: {"config": config(n_head=4 + r)} for r in range(2)}
+    assert decide(state(different), config=Level.OFF)[0] is Outcome.FORMED
+
+
+def test_many_differing_fields_are_capped_with_a_count() -> None:
+    agreed = {r: {"config": config(**{f"f{i:02}": r for i in range(30)})} for r in range(2)}
+    _, report, _, _ = decide(state(agreed))
+    assert "config.f19: 0 on ranks 0, 1 on ranks 1" in report
+    assert "config.f20" not in report and "and 10 more differing field(s)" in report
+
+
+def test_hugging_face_configs_are_named_by_their_standard_fields() -> None:
+    import transformers
+
+    gpt2 = config_fields(transformers.GPT2Config(n_head=4, n_layer=2, n_embd=64))
+    assert gpt2["num_attention_heads"] == "4" and "n_head" not in gpt2
+    assert "_name_or_path" not in gpt2 and "transformers_version" not in gpt2
+    llama = config_fields(
+        transformers.LlamaConfig(
+            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, rope_theta=500000.0
+        )
+    )
+    assert any(k.endswith("rope_theta") and v == "500000.0" for k, v in llama.items()), llama
+
+
+def test_a_config_of_ten_thousand_keys_is_refused_at_the_limit() -> None:
+    c = InProcessCoordinator(join_deadline=10.0)
+    try:
+        req = join_request("huge-config", 0, 1, manifest_of())
+        req.config.fields.update({f"k{i}": "1" for i in range(10_000)})
+        with grpc.insecure_channel(c.addr) as channel, pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.CohortServiceStub(channel).Join(req, timeout=10))
+    finally:
+        c.stop()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "config has 10000 fields; the limit is max_fingerprint_fields=4096" in (
+        err.value.details() or ""
+    )
+
+
+def test_the_cause_reaches_the_wire() -> None:
+    from coordinator.edge.rpc import _CAUSE_TO_PB
+
+    assert {Cause.CONFIG, Cause.CODE, Cause.FACTS} <= set(_CAUSE_TO_PB)
+
+
+def test_the_tokenizer_fingerprint_catches_one_added_special_token() -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from agent import tokenizer_fingerprint
+
+    def tokenizer() -> PreTrainedTokenizerFast:
+        vocab = {"<unk>": 0, "hello": 1, "world": 2}
+        backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+    same, other = tokenizer(), tokenizer()
+    assert tokenizer_fingerprint(same) == tokenizer_fingerprint(other)
+    other.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    assert tokenizer_fingerprint(same) != tokenizer_fingerprint(other)
+    assert tokenizer_fingerprint(same).startswith("sha256:")
