@@ -216,6 +216,14 @@ def _join(
         agreed=agreed,
     )
     if verdict.outcome == pb.Verdict.OUTCOME_FORMED:
+        if verdict.warnings and identity.local_rank == 0:  # once per node
+            lines = "\n".join(f"  {w}" for w in verdict.warnings)
+            print(
+                f"[cohortgate] rank {identity.rank} on {identity.host}: cohort "
+                f"{verdict.cohort_id} formed with warnings:\n{lines}",
+                file=sys.stderr,
+                flush=True,
+            )
         _register_drain()
         return Cohort(
             job_id=verdict.job_id,
