@@ -63,6 +63,11 @@ def main() -> int:
             formed = torchrun(addr, "demo-good", "--steps", "5")
             banner("job 2: rank 2 builds a wider hidden layer -> refused on every rank")
             refused = torchrun(addr, "demo-mismatch", "--wide-rank", "2")
+            banner(
+                "job 3: same model everywhere, but rank 1 resumes from another step -> refused "
+                "by the facts check"
+            )
+            facts = torchrun(addr, "demo-facts", "--resume-rank", "1")
         finally:
             coordinator.send_signal(signal.SIGTERM)
             coordinator.wait(timeout=30)
@@ -70,8 +75,10 @@ def main() -> int:
     first = "FORMED" if formed == 0 else "FAILED"
     second = "REFUSED" if refused else "FORMED?!"
     print(f"job 1 (identical models): torchrun exit code {formed} -> {first}")
+    third = "REFUSED" if facts else "FORMED?!"
     print(f"job 2 (rank 2 wider):     torchrun exit code {refused} -> {second}")
-    ok = formed == 0 and refused != 0
+    print(f"job 3 (rank 1's facts):   torchrun exit code {facts} -> {third}")
+    ok = formed == 0 and refused != 0 and facts != 0
     print("demo", "succeeded" if ok else "did NOT behave as expected")
     return 0 if ok else 1
 

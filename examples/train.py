@@ -8,6 +8,8 @@ Flags make chosen ranks build a different model, to show a refusal:
   --seed-rank R     rank R initialises its weights from another seed (needs
                     --verify-values and a coordinator with --policy weights=strict)
   --verify-values   send a digest of the weights' values too
+  --resume-rank R   rank R declares another resume step (facts={"resume_step": ...}): the
+                    shapes agree, the facts check does not
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> int:
     parser.add_argument("--absent-rank", type=int, default=-1, help="(default: none)")
     parser.add_argument("--seed-rank", type=int, default=-1, help="(default: none)")
     parser.add_argument("--verify-values", action="store_true", help="(default: off)")
+    parser.add_argument("--resume-rank", type=int, default=-1, help="(default: none)")
     args = parser.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -60,7 +63,10 @@ def main() -> int:
     )
 
     try:
-        cohort = agent.init_process_group(model, backend="gloo", verify_values=args.verify_values)
+        facts = {"data": "demo-mix-v3", "resume_step": 1100 if rank == args.resume_rank else 1200}
+        cohort = agent.init_process_group(
+            model, backend="gloo", verify_values=args.verify_values, facts=facts
+        )
     except agent.CohortRefused:
         return 3  # the report is already on stderr and in torchrun's error file
 
