@@ -234,6 +234,26 @@ def launch_env(tmp: Path, **extra: str) -> dict[str, str]:
     }
 
 
+def two_node_args(rdzv: str, job: str, script: Path, *script_args: str) -> list[str]:
+    """torchrun's arguments for one of two nodes (2 ranks each) of `job` on this machine."""
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv,
+        "--rdzv-id",
+        job,
+        "--monitor-interval",
+        "0.2",
+        str(script),
+        *script_args,
+    ]
+
+
 def launch(
     args: Sequence[str], env: dict[str, str], cwd: Path, *, via: str = "torchrun"
 ) -> subprocess.Popen[str]:

@@ -19,6 +19,7 @@ from tests.helpers import (
     launch,
     launch_env,
     torchrun,
+    two_node_args,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -112,23 +113,7 @@ def two_nodes(addr: str, job: str, scripts: list[Path], tmp: Path) -> list[tuple
     rdzv = f"127.0.0.1:{free_port()}"
     procs = []
     for script in scripts:
-        args = [
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            rdzv,
-            "--rdzv-id",
-            job,
-            "--monitor-interval",
-            "0.2",
-            str(script),
-            "--steps",
-            "2",
-        ]
+        args = two_node_args(rdzv, job, script, "--steps", "2")
         env = launch_env(tmp, COHORTGATE_ADDR=addr, COHORTGATE_JOB=job)
         procs.append(launch(args, env, tmp))
     outs = finish(procs)

@@ -23,6 +23,7 @@ from tests.helpers import (
     kill_group,
     launch,
     launch_env,
+    two_node_args,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -38,22 +39,7 @@ def test_two_nodes_through_cohortgate_run_form_then_a_wider_node_is_refused_on_b
             args = [
                 "--coordinator",
                 addr,
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                rdzv,
-                "--rdzv-id",
-                job,
-                "--monitor-interval",
-                "0.2",
-                str(TRAIN),
-                "--steps",
-                "2",
-                *extra,
+                *two_node_args(rdzv, job, TRAIN, "--steps", "2", *extra),
             ]
             envs = [launch_env(tmp_path), launch_env(tmp_path)]
             procs = [launch(args, env, tmp_path, via="cohortgate run") for env in envs]
