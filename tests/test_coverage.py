@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.decision.coverage import PAIRWISE_CAP, Piece, check, check_flat
+from coordinator.decision.coverage import Piece, check, check_flat
 
 
 def kinds(problems: list) -> list[str]:  # type: ignore[type-arg]
@@ -72,10 +72,32 @@ def test_staggered_bricks_fall_back_to_pairwise_and_pass() -> None:
     assert "overlap" in kinds(check("bricks", (2, 4), overlapping))
 
 
-def test_irregular_layout_past_the_cap_is_unverifiable() -> None:
-    n = PAIRWISE_CAP + 10
-    pieces = [Piece(i, (i, 0), (2, 1)) for i in range(n)]  # each overlaps its neighbour
-    assert kinds(check("big", (n + 1, 1), pieces)) == ["unverifiable"]
+def bricks(rows: int, columns: int, shift: int | None = None) -> list[Piece]:
+    """A brick wall over (rows, columns): even rows in bricks of 2 from 0, odd rows from 1
+    (half-bricks at their ends), so no grid of slabs tiles it; `shift` moves that row's
+    second brick one column right."""
+    pieces = []
+    for r in range(rows):
+        starts = list(range(0, columns, 2)) if r % 2 == 0 else [0, *range(1, columns, 2)]
+        for k, s in enumerate(starts):
+            width = min(1 if r % 2 and s == 0 else 2, columns - s)
+            offset = s + 1 if r == shift and k == 1 else s
+            pieces.append(Piece(len(pieces) % 8, (r, offset), (1, width)))
+    return pieces
+
+
+def test_a_large_irregular_layout_is_checked_by_corner_parity() -> None:
+    assert len(bricks(20, 40)) > 256
+    assert check("wall", (20, 40), bricks(20, 40)) == []
+    shifted = check("wall", (20, 40), bricks(20, 40, shift=3))
+    assert kinds(shifted) == ["overlap", "uncovered"], shifted
+    assert "[3:4, 3:4] is held twice" in shifted[0].detail, shifted[0].detail
+    assert "[3:4, 1:2] is held by no rank" in shifted[1].detail, shifted[1].detail
+    gapped = bricks(20, 40)
+    gapped.pop(100)
+    assert kinds(check("wall", (20, 40), gapped)) == ["uncovered"]
+    doubled = [*bricks(20, 40), bricks(20, 40)[7]]
+    assert kinds(check("wall", (20, 40), doubled)) == ["overlap"]
 
 
 def test_million_flat_pieces_tile() -> None:

@@ -1,11 +1,11 @@
 """Shard coverage: the pieces of a logical tensor are in bounds, disjoint and add up to it.
 
 In bounds + pairwise disjoint + volumes summing to the whole proves the pieces tile the
-tensor, so no separate hole check is needed (coverage by placement, not by count). Grid
-layouts (every TP/PP/FSDP split) are checked in O(pieces log pieces): pieces are grouped
-into slabs that share their interval along the first dimension, slabs must be disjoint
-along it, and each slab must tile the remaining dimensions, recursively. A layout that is
-not a grid falls back to a pairwise check, capped.
+tensor, so no separate hole check is needed (coverage by placement, not by count). From
+FAST_MIN_PIECES pieces on, columns of numbers, no per-piece Python: a grid layout (every
+TP/PP/FSDP split) as distinct cells of the grid its boundaries cut; any other layout by
+corner parity (decision.parity), both O(pieces log pieces). Fewer pieces walk slabs along
+each dimension, pairwise where slabs overlap.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-# Pairwise checking is quadratic; irregular (non-grid) layouts larger than this are refused
-# as unverifiable rather than left to run for minutes.
-PAIRWISE_CAP = 4096
+from coordinator.decision import parity
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,8 @@ def check_arrays(
     """The grid fast path, vectorised: pieces as columns (ranks (n,), offsets and lengths
     (n, dims)). Cut every dimension at every piece boundary; when each piece is exactly one
     cell of that grid, the pieces tile the tensor iff their cells are distinct and as many as
-    the cells. Returns None when the layout is not such a grid (the caller falls back)."""
+    the cells; any other layout goes by corner parity. Returns None when a piece is out of
+    bounds (the caller names it)."""
     n, dims = offsets.shape
     shape_arr = np.asarray(tuple(shape), dtype=np.int64)
     ends = offsets + lengths
@@ -89,11 +88,12 @@ def check_arrays(
     cells_per_dim = []
     index = np.zeros(n, dtype=np.int64)
     for d in range(dims):
-        cuts = _sorted_unique(np.concatenate((offsets[:, d], ends[:, d], [0, shape[d]])))
+        cuts = _cuts(offsets[:, d], ends[:, d], shape[d])
         lo = np.searchsorted(cuts, offsets[:, d])
         hi = np.searchsorted(cuts, ends[:, d])
         if bool((hi - lo != 1).any()):
-            return None  # a piece spans several cells: not a plain grid
+            # a piece spans several cells: not a plain grid, checked by corner parity
+            return _check_parity(tensor, shape, ranks, offsets, lengths)
         cells_per_dim.append(len(cuts) - 1)
         index = index * (len(cuts) - 1) + lo
     order = np.argsort(index, kind="stable")
@@ -116,6 +116,96 @@ def check_arrays(
         cell = int(missing[0]) if len(missing) else len(distinct)
         problems.append(_missing_cell(tensor, shape, offsets, ends, cell, cells_per_dim, ranks))
     return problems
+
+
+def _check_parity(
+    tensor: str, shape: Sequence[int], ranks: Int64s, offsets: Int64s, lengths: Int64s
+) -> list[CoverageProblem]:
+    """Any layout of in-bounds, non-empty pieces in O(n log n) (see decision.parity): a
+    clean tiling, or the overlap and the gap found at the points where the corner parity
+    says to look."""
+    total = math.prod(shape)
+    # float first: a sum past 2^62 cannot be a real tensor's volume (and would wrap)
+    rough = float(lengths.astype(np.float64).prod(axis=1).sum())
+    volume = int(lengths.prod(axis=1).sum()) if rough < 2.0**62 else -1
+    if not len(ranks):
+        spans = ", ".join(f"0:{s}" for s in shape)
+        return [CoverageProblem(tensor, "uncovered", f"[{spans}] is held by no rank", ())]
+    kept_shape, o, ln, kept = parity.reduce_full(shape, offsets, lengths)
+    if not kept_shape:  # every piece is the whole tensor
+        if len(ranks) == 1:
+            return []
+        return [
+            _overlap(
+                tensor, _piece_at(ranks, offsets, lengths, 0), _piece_at(ranks, offsets, lengths, 1)
+            )
+        ]
+    points = parity.mismatches(kept_shape, o, ln)
+    if not len(points) and volume == total:
+        return []
+    problems = _named_at(tensor, shape, ranks, offsets, lengths, points, kept)
+    if not problems:  # an element held three (or five...) times: odd, so no corner tells
+        problems.append(
+            CoverageProblem(
+                tensor,
+                "overlap",
+                f"the pieces hold {volume if volume >= 0 else 'more than 2^62'} elements of the "
+                f"tensor's {total}: some are held three times or more",
+                tuple(sorted({int(r) for r in ranks[:16]})),
+            )
+        )
+    return problems
+
+
+def _named_at(
+    tensor: str,
+    shape: Sequence[int],
+    ranks: Int64s,
+    offsets: Int64s,
+    lengths: Int64s,
+    points: Int64s,
+    kept: list[int],
+) -> list[CoverageProblem]:
+    """The first overlap and the first gap found around the points where the corner parity
+    differs from the tensor's (in the dimensions `kept`), overlap first."""
+    o, ln = offsets[:, kept], lengths[:, kept]
+    kept_shape = [shape[d] for d in kept]
+    overlap: CoverageProblem | None = None
+    gap: CoverageProblem | None = None
+    for point in points:
+        idx = parity.near(point, o, ln)
+        pair = parity.held_twice(idx, o, ln) if overlap is None else None
+        if pair is not None:
+            a, b = (_piece_at(ranks, offsets, lengths, i) for i in pair)
+            overlap = _overlap(tensor, a, b)
+        cell = parity.empty_cell(point, kept_shape, idx, o, ln) if gap is None else None
+        if cell is not None:
+            spans = [f"0:{s}" for s in shape]
+            for d, c in zip(kept, cell.tolist(), strict=True):
+                spans[d] = f"{c}:{c + 1}"
+            near = sorted({int(ranks[i]) for i in idx})[:16]
+            gap = CoverageProblem(
+                tensor,
+                "uncovered",
+                f"[{', '.join(spans)}] is held by no rank (neighbouring pieces on ranks "
+                f"{','.join(map(str, near))})",
+                tuple(near),
+            )
+        if overlap is not None and gap is not None:
+            break
+    return [p for p in (overlap, gap) if p is not None]
+
+
+def _cuts(starts: Int64s, ends: Int64s, size: int) -> Int64s:
+    """Every boundary along one dimension of `size`, sorted: by marking them when the
+    dimension is not much longer than the list (a bitmap is O(n), a sort O(n log n))."""
+    if size <= 8 * len(starts) + 1024:
+        marks = np.zeros(size + 1, dtype=bool)
+        marks[starts] = True
+        marks[ends] = True
+        marks[[0, size]] = True
+        return np.flatnonzero(marks).astype(np.int64)
+    return _sorted_unique(np.concatenate((starts, ends, [0, size])))
 
 
 def _sorted_unique(values: Int64s) -> Int64s:
@@ -145,7 +235,7 @@ def _missing_cell(
     spans = []
     for d in reversed(range(len(cells_per_dim))):
         cell, k = divmod(cell, cells_per_dim[d])
-        cuts = _sorted_unique(np.concatenate((offsets[:, d], ends[:, d], [0, shape[d]])))
+        cuts = _cuts(offsets[:, d], ends[:, d], shape[d])
         spans.append(f"{int(cuts[k])}:{int(cuts[k + 1])}")
     region = ", ".join(reversed(spans))
     return CoverageProblem(
@@ -221,9 +311,7 @@ def _tile(
     intervals = sorted(slabs)
     # Slabs along `dim` must not overlap one another...
     if any(b[0] < a[0] + a[1] for a, b in itertools.pairwise(intervals)):
-        if len(slabs) > PAIRWISE_CAP:
-            return [_unverifiable(tensor, pieces)]
-        return _pairwise(tensor, pieces)
+        return _pairwise(tensor, pieces)  # fewer than FAST_MIN_PIECES: cheap
     # ...and must leave no gap, and each must tile the remaining dimensions.
     problems: list[CoverageProblem] = []
     cursor = 0
@@ -297,16 +385,6 @@ def _gap(
         f"[{', '.join(spans)}] is held by no rank (neighbouring pieces on ranks "
         f"{','.join(str(r) for r in sorted({p.rank for p in pieces})[:16])})",
         tuple(sorted({p.rank for p in pieces})),
-    )
-
-
-def _unverifiable(tensor: str, pieces: Sequence[Piece]) -> CoverageProblem:
-    return CoverageProblem(
-        tensor,
-        "unverifiable",
-        f"{len(pieces)} pieces that do not form a grid: more than the {PAIRWISE_CAP} this "
-        "coordinator checks pairwise",
-        tuple(sorted({p.rank for p in pieces}))[:16],
     )
 
 
