@@ -103,3 +103,12 @@ def test_a_large_irregular_layout_is_checked_by_corner_parity() -> None:
 def test_million_flat_pieces_tile() -> None:
     ranges = [(i % 64, i * 3, 3) for i in range(200_000)]
     assert check_flat("big", 600_000, ranges) == []
+
+
+def test_a_large_grid_names_its_overlap_and_its_gap() -> None:
+    grid = [Piece(i % 8, (i // 20 * 2, i % 20 * 3), (2, 3)) for i in range(400)]  # 20 x 20
+    assert check("grid", (40, 60), grid) == []
+    doubled = check("grid", (40, 60), [*grid, grid[37]])
+    assert kinds(doubled) == ["overlap"] and "[2:4, 51:54] is held twice" in doubled[0].detail
+    holed = check("grid", (40, 60), grid[:37] + grid[38:])
+    assert kinds(holed) == ["uncovered"] and "[2:4, 51:54] is held by no rank" in holed[0].detail
