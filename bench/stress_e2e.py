@@ -48,6 +48,12 @@ def main() -> int:
         help="static: --master-port 0 (rank 0 hosts the cohort's store); c10d: torchrun's "
         "agent hosts it (default static)",
     )
+    parser.add_argument(
+        "--refuse",
+        action="store_true",
+        help="rank 1 declares another resume step: every run must be refused by the facts "
+        "check on every rank, without a hang (default: every run forms and trains)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
 
@@ -89,6 +95,7 @@ def main() -> int:
                         str(TRAIN),
                         "--steps",
                         str(args.steps),
+                        *(["--resume-rank", "1"] if args.refuse else []),
                     ],
                     env=env,
                     capture_output=True,
@@ -99,7 +106,13 @@ def main() -> int:
                 durations.append(time.monotonic() - started)
                 out = proc.stdout + proc.stderr
                 trained = len(re.findall(r"trained \d+ steps", out))
-                if proc.returncode != 0 or trained != args.nproc or "terminate called" in out:
+                refused = len(re.findall(r"cohort refused: ranks disagree on declared facts", out))
+                clean = (
+                    proc.returncode != 0 and refused == args.nproc
+                    if args.refuse
+                    else proc.returncode == 0 and trained == args.nproc
+                )
+                if not clean or "terminate called" in out:
                     failures.append({"run": i, "code": proc.returncode, "output": out})
                     print(f"run {i}: FAILED (exit {proc.returncode}, {trained} ranks trained)")
                     print(out[-4000:])

@@ -1,0 +1,53 @@
+"""Golden vectors: the canonical encodings are the same on every machine and every torch
+version, so the values themselves are pinned. A change here breaks every deployed agent's
+agreement with its coordinator: bump the format version (manifest, digest, fingerprint) on
+purpose, never by accident."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from agent.digest import tensor_digest
+from agent.signature import manifest
+from coordinator.contract.digests import combine
+from coordinator.contract.fingerprint import config_fields, digest, fields_of
+from coordinator.contract.manifest import Entry, Kind, Manifest
+
+
+def test_a_manifest_signature_is_pinned() -> None:
+    m = Manifest.of(
+        [
+            Entry(Kind.PARAMETER, "fc.weight", "float32", (4, 8), True),
+            Entry(Kind.PARAMETER, "fc.bias", "float32", (4,), True),
+            Entry(Kind.BUFFER, "steps", "int64", ()),
+        ]
+    )
+    assert m.signature_hex() == "8e481859b405d4c873dcc45377928a5cdd5c306a7e79c8762015ad054559278f"
+
+
+def test_a_module_signature_is_pinned() -> None:
+    assert (
+        manifest(nn.Linear(8, 4)).signature_hex()
+        == "584a610458224ee1130a3f0dadac7c68312d643345f11923c2fc3bf5ad5bc1b1"
+    )
+
+
+def test_weight_digests_are_pinned_with_and_without_the_kernel() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    golden = "713a9a82a62055b843665a30ea0a05f46813f9f98de9dc0bf2e46aa75ff4e22a"
+    assert tensor_digest("w", t, kernel=False).hex() == golden
+    assert tensor_digest("w", t, kernel=True).hex() == golden
+    assert (
+        combine([("a", b"\0" * 32), ("b", b"\1" * 32)]).hex()
+        == "43cf0f6c5e3e316557975391ed86456da73482887df34079d4a406532032e754"
+    )
+
+
+def test_a_config_fingerprint_is_pinned() -> None:
+    fields = config_fields({"n_head": 4, "rope": {"theta": 1e4}, "_name_or_path": "x"})
+    assert fields == {"n_head": "4", "rope.theta": "10000.0"}
+    assert (
+        digest(fields_of(fields))
+        == "c9d191a20905bd6b4467d599b6383fbbd66a949d8e006307271358e6f0dd710a"
+    )
