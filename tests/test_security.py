@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -367,3 +368,71 @@ def test_non_loopback_needs_a_flag_and_warns_without_tls_or_tokens(tmp_path: Pat
     with coordinator_process("--allow-remote", tmp=tmp_path, listen="0.0.0.0:0") as (_, log):
         text = log.read_text()
     assert "serving a non-loopback address without TLS and tokens" in text
+
+
+def test_the_limits_no_other_test_reaches_refuse_naming_themselves() -> None:
+    """max_waiting_ranks, max_manifest_entries, and the caps on names, dimensions and
+    layout pieces: each refusal names the limit and its value."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.api.v1 import cohort_pb2 as pb
+    from coordinator.codec import wire
+    from tests.helpers import run_rank
+
+    c = InProcessCoordinator(max_waiting_ranks=3, max_manifest_entries=10, join_deadline=30.0)
+    m = manifest_of()
+
+    def refused(request: pb.JoinRequest) -> grpc.RpcError:
+        result = run_rank(c.addr, request, m, 5.0)
+        assert result.error is not None, result.verdict
+        return result.error
+
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            held = [
+                pool.submit(run_rank, c.addr, join_request("wait", r, 4, m), m, 8.0)
+                for r in range(3)
+            ]
+            time.sleep(1.0)
+            error = refused(join_request("other", 0, 2, m))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_waiting_ranks=3" in (error.details() or ""), error.details()
+            error = refused(join_request("wait", 3, 4, m, manifest_entries=11))
+            assert "max_manifest_entries=10" in (error.details() or ""), error.details()
+            for f in held:
+                f.result(timeout=20)
+        deep = join_request("deep", 0, 1, m)
+        deep.layout.CopyFrom(
+            pb.Layout(
+                pieces=[pb.ShardPiece(tensor="t", shape=[1] * 65, offset=[0] * 65, length=[1] * 65)]
+            )
+        )
+        error = refused(deep)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "65 dimensions; the limit is 64" in (error.details() or ""), error.details()
+        many = join_request("many", 0, 1, m)
+        many.layout.CopyFrom(
+            pb.Layout(
+                pieces=[pb.ShardPiece(tensor="t", shape=[1], offset=[0], length=[1])]
+                * (wire.MAX_PIECES + 1)
+            )
+        )
+        error = refused(many)
+        assert f"the limit is {wire.MAX_PIECES} per rank" in (error.details() or "")
+        long_name = pb.UploadManifestRequest(
+            job_id="nobody",
+            round=1,
+            rank=0,
+            incarnation="x",
+            signature=b"s" * 32,
+            manifest=pb.Manifest(
+                format=1, entries=[pb.ManifestEntry(kind=1, name="n" * 1025, dtype="float32")]
+            ),
+        )
+        from coordinator.contract.errors import LimitExceeded
+        from coordinator.edge.rpc import manifest_of as decode
+
+        with pytest.raises(LimitExceeded, match="a name of 1025 characters; the limit is 1024"):
+            decode(long_name.SerializeToString())
+    finally:
+        c.stop()
