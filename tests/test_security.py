@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import subprocess
-import time
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
