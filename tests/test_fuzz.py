@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec import wire
 from tests.helpers import InProcessCoordinator, manifest_of, run_cohort
 
-# What the coordinator may answer (plus the client's own DEADLINE_EXCEEDED and CANCELLED).
+# What the coordinator may answer (plus the client's own CANCELLED, and DEADLINE_EXCEEDED
+# where the call may rightly wait: a join waiting for its cohort, a watch).
 DOCUMENTED = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -78,12 +80,15 @@ def fuzzed() -> Iterator[Fuzzed]:
     assert set(f.healthy) == {pb.Verdict.OUTCOME_FORMED}, "every healthy cohort formed"
 
 
-def code_of(call: object) -> grpc.StatusCode:
+def code_of(call: object, waits: bool = False) -> grpc.StatusCode:
+    """The call's status; a unary call (`waits` False) that runs into its deadline is a hung
+    handler, not an answer."""
     try:
         call()  # type: ignore[operator]
     except grpc.RpcError as exc:
         code: grpc.StatusCode = exc.code()
         assert code in DOCUMENTED, f"{code}: {exc.details()}"
+        assert waits or code is not grpc.StatusCode.DEADLINE_EXCEEDED, exc.details()
         return code
     return grpc.StatusCode.OK
 
@@ -95,6 +100,24 @@ runtime = st.builds(
     device_type=ODD_TEXT,
     device_name=ODD_TEXT,
 )
+pieces = st.builds(
+    pb.ShardPiece,
+    tensor=ODD_TEXT,
+    shape=st.lists(I64, max_size=5),
+    offset=st.lists(I64, max_size=5),
+    length=st.lists(I64, max_size=5),
+    replicated=st.booleans(),
+)
+AXIS = st.one_of(st.sampled_from(["tp", "cp", "ep", "dp", "pp"]), ODD_TEXT)
+layouts = st.builds(
+    pb.Layout,
+    format=st.one_of(st.just(1), U32),
+    sizes=st.dictionaries(AXIS, U32, max_size=6),
+    position=st.dictionaries(AXIS, U32, max_size=6),
+    config=ODD_TEXT,
+    pieces=st.lists(pieces, max_size=6),
+)
+fingerprints = st.builds(pb.Fingerprint, fields=st.dictionaries(ODD_TEXT, ODD_TEXT, max_size=8))
 join_requests = st.builds(
     pb.JoinRequest,
     protocol_version=st.one_of(st.just(1), U32),
@@ -110,6 +133,13 @@ join_requests = st.builds(
     manifest_entries=U32,
     runtime=runtime,
     init_method=ODD_TEXT,
+    layout=st.one_of(st.none(), layouts),
+    weights_digest=st.one_of(st.just(b""), st.binary(min_size=32, max_size=32), st.binary()),
+    weights_digest_format=st.one_of(st.just(2), U32),
+    launch=ODD_TEXT,
+    config=st.one_of(st.none(), fingerprints),
+    code=st.one_of(st.none(), fingerprints),
+    facts=st.one_of(st.none(), fingerprints),
 )
 
 
@@ -122,7 +152,57 @@ def test_join_fuzz(fuzzed: Fuzzed, request: pb.JoinRequest, cancel_early: bool) 
             if cancel_early:  # a truncated stream: the caller goes away mid-join
                 stream.cancel()
 
-    code_of(call)
+    code_of(call, waits=True)
+
+
+@FUZZ
+@given(members=st.lists(join_requests, max_size=4))
+def test_join_group_fuzz(fuzzed: Fuzzed, members: list[pb.JoinRequest]) -> None:
+    def call() -> None:
+        for _ in fuzzed.cohort.JoinGroup(pb.JoinGroupRequest(members=members), timeout=0.3):
+            pass
+
+    code_of(call, waits=True)
+
+
+@FUZZ
+@given(
+    job=ODD_TEXT,
+    round_=U32,
+    rank=U32,
+    incarnation=ODD_TEXT,
+    digests=st.lists(st.binary(max_size=40), max_size=20),
+    chunked=st.booleans(),
+)
+def test_upload_digests_fuzz(
+    fuzzed: Fuzzed,
+    job: str,
+    round_: int,
+    rank: int,
+    incarnation: str,
+    digests: list[bytes],
+    chunked: bool,
+) -> None:
+    request = pb.UploadDigestsRequest(
+        job_id=job, round=round_, rank=rank, incarnation=incarnation, digests=digests
+    )
+    if chunked:
+        code_of(lambda: fuzzed.cohort.UploadDigestsChunks(wire.upload_chunks(request), timeout=5))
+    else:
+        code_of(lambda: fuzzed.cohort.UploadDigests(request, timeout=5))
+
+
+@FUZZ
+@given(
+    chunks=st.lists(
+        st.builds(
+            pb.UploadChunk, data=st.binary(max_size=200), total_bytes=st.integers(0, 2**64 - 1)
+        ),
+        max_size=5,
+    )
+)
+def test_upload_chunks_fuzz(fuzzed: Fuzzed, chunks: list[pb.UploadChunk]) -> None:
+    code_of(lambda: fuzzed.cohort.UploadManifestChunks(iter(chunks), timeout=5))
 
 
 entries = st.builds(
@@ -164,6 +244,7 @@ def test_upload_fuzz(
         manifest=pb.Manifest(format=fmt, entries=items),
     )
     code_of(lambda: fuzzed.cohort.UploadManifest(request, timeout=5))
+    code_of(lambda: fuzzed.cohort.UploadManifestChunks(wire.upload_chunks(request), timeout=5))
 
 
 @FUZZ
@@ -182,23 +263,21 @@ def test_status_fuzz(fuzzed: Fuzzed, job: str, round_: int) -> None:
         for _ in stream:
             pass
 
-    code_of(watch)
+    code_of(watch, waits=True)
 
 
+# Every method of both services (client-streaming ones get the bytes as one message).
 METHODS = [
-    ("/cohortgate.v1.CohortService/Join", True),
-    ("/cohortgate.v1.CohortService/UploadManifest", False),
-    ("/cohortgate.v1.StatusService/ListCohorts", False),
-    ("/cohortgate.v1.StatusService/GetCohort", False),
-    ("/cohortgate.v1.StatusService/WatchCohorts", True),
-    ("/cohortgate.v1.StatusService/GetVerdict", False),
+    (f"/{service.full_name}/{m.name}", m.server_streaming, m.client_streaming)
+    for service in pb.DESCRIPTOR.services_by_name.values()
+    for m in service.methods
 ]
 
 
 @FUZZ
 @given(method=st.sampled_from(METHODS), data=st.binary(max_size=300))
-def test_raw_bytes_fuzz(fuzzed: Fuzzed, method: tuple[str, bool], data: bytes) -> None:
-    path, streaming = method
+def test_raw_bytes_fuzz(fuzzed: Fuzzed, method: tuple[str, bool, bool], data: bytes) -> None:
+    path, streaming, client_streaming = method
     if streaming:
         stream = fuzzed.channel.unary_stream(path)
 
@@ -206,7 +285,9 @@ def test_raw_bytes_fuzz(fuzzed: Fuzzed, method: tuple[str, bool], data: bytes) -
             for _ in stream(data, timeout=0.3):
                 pass
 
-        code = code_of(call)
+        code = code_of(call, waits=True)
+    elif client_streaming:
+        code = code_of(lambda: fuzzed.channel.stream_unary(path)(iter([data]), timeout=5))
     else:
         code = code_of(lambda: fuzzed.channel.unary_unary(path)(data, timeout=5))
     assert code != grpc.StatusCode.INTERNAL
