@@ -1,6 +1,12 @@
 """Weight digest throughput against a plain copy of the same tensors, on CPU and (where
 present) CUDA; on CUDA also checks that the CPU and CUDA digests of the same bytes agree.
 
+What the ratio means: copy time / digest time over the same bytes. A copy reads every byte
+and writes it again (twice the memory traffic of a digest, which only reads), so a ratio of
+1 says the digest's arithmetic costs as much as one extra pass of writes, not that it is
+free. Copy and digest alternate within each repeat (one does not get a warmer machine than
+the other); the median ratio is printed with its spread over the repeats.
+
 Usage: python bench/bench_digest.py [--mib 1024] [--tensors 64] [--repeats 5] [--json PATH]
 """
 
@@ -19,16 +25,20 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def _timed(fn: Any, sync: Any, repeats: int) -> float:
-    fn()  # warm-up (keys, allocator)
+def _paired(first: Any, second: Any, sync: Any, repeats: int) -> tuple[list[float], list[float]]:
+    """Times of `first` and `second`, alternating, after one warm-up of each."""
+    first()
+    second()
     sync()
-    times = []
+    a: list[float] = []
+    b: list[float] = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, times in ((first, a), (second, b)):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+    return a, b
 
 
 def run(device: str, kernel: bool, mib: int, tensors: int, repeats: int) -> dict[str, Any]:
@@ -56,8 +66,9 @@ def run(device: str, kernel: bool, mib: int, tensors: int, repeats: int) -> dict
         for i, w in enumerate(weights):
             tensor_digest(f"w{i}", w, kernel=kernel)
 
-    t_copy = _timed(copy, sync, repeats)
-    t_digest = _timed(digest, sync, repeats)
+    copies, digests = _paired(copy, digest, sync, repeats)
+    ratios = [c / d for c, d in zip(copies, digests, strict=True)]
+    t_copy, t_digest = statistics.median(copies), statistics.median(digests)
     row: dict[str, Any] = {
         "device": (
             f"cpu/{'C kernel' if kernel else 'torch ops'} x{torch.get_num_threads()}"
@@ -67,7 +78,9 @@ def run(device: str, kernel: bool, mib: int, tensors: int, repeats: int) -> dict
         "bytes": nbytes,
         "copy_gib_s": nbytes / t_copy / 2**30,
         "digest_gib_s": nbytes / t_digest / 2**30,
-        "ratio": t_copy / t_digest,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
     }
     if device == "cuda":
         row["cpu_cuda_agree"] = all(
@@ -96,11 +109,15 @@ def main() -> int:
     if torch.cuda.is_available():
         paths.append(("cuda", False))
     rows = [run(d, k, args.mib, args.tensors, args.repeats) for d, k in paths]
-    print(f"{'device':<24} {'MiB':>6} {'copy':>10} {'digest':>10} {'ratio':>6}")
+    print(
+        f"{'device':<24} {'MiB':>6} {'copy':>10} {'digest':>10} {'ratio':>6} "
+        f"(median of {args.repeats}, min-max)"
+    )
     for r in rows:
         print(
             f"{r['device']:<24} {r['bytes'] / 2**20:>6.0f} {r['copy_gib_s']:>6.1f}GiB/s "
-            f"{r['digest_gib_s']:>6.1f}GiB/s {r['ratio']:>6.2f}"
+            f"{r['digest_gib_s']:>6.1f}GiB/s {r['ratio']:>6.2f} "
+            f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
             + (
                 f"  CPU and CUDA digests agree: {r['cpu_cuda_agree']}"
                 if "cpu_cuda_agree" in r
