@@ -241,6 +241,7 @@ class Coordinator:
     ) -> AsyncIterator[JoinEvent]:
         """Progress, upload asks, then the verdict: woken by `poke` or the progress timer."""
         told: set[tuple[UploadKind, int]] = set()
+        asks_seen = -1  # Asks.made when this call last looked at its members' asks
         quiet = all(i.quiet for i in intents)
         loop = asyncio.get_running_loop()
         last_progress = float("-inf")
@@ -251,8 +252,10 @@ class Coordinator:
             held[:] = [(k, m) for k, m in held if self._pokes.get(k) is poke]
             if not self._still_waiting(held, intents, alive):
                 return  # the call is gone: the caller's `finally` frees the ranks
-            for ask in self._new_asks(cohort, held, told):
-                yield ask
+            if cohort.asks.made != asks_seen:
+                asks_seen = cohort.asks.made
+                for ask in self._new_asks(cohort, held, told):
+                    yield ask
             now = self.clock()
             if now - last_progress >= self.progress_interval_s and (not quiet or last_progress < 0):
                 last_progress = now

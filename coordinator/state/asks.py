@@ -51,6 +51,10 @@ class Asks:
 
     def __init__(self) -> None:
         self._open: dict[tuple[UploadKind, bytes], Ask] = {}
+        # Bumped whenever an ask is handed to a member: a waiting call rescans its members'
+        # asks only then, not on every wake-up (16k ranks' wake-ups made that a fifth of
+        # the loop's time).
+        self.made = 0
 
     def holder(self, state: CohortState, ask: Ask) -> Member | None:
         """The member still holding the ask's rank and incarnation, or None if it left."""
@@ -81,6 +85,7 @@ class Asks:
             member = state.members[min(ranks)]
         made = Ask(kind, key, member.rank, member.incarnation, now)
         self._open[(kind, key)] = made
+        self.made += 1
         return made
 
     def rotate(self, state: CohortState, now: float, after_s: float) -> list[Member]:
@@ -99,6 +104,7 @@ class Asks:
                 continue  # the class's only rank: nobody else can answer
             member = state.members[nxt]
             self._open[(kind, key)] = Ask(kind, key, nxt, member.incarnation, now)
+            self.made += 1
             asked.append(member)
         return asked
 
