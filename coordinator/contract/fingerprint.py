@@ -79,22 +79,23 @@ def disagreements(
     fingerprint first), capped at `cap` lines, and how many fields differ in all."""
     lines = []
     absent = sorted(r for r, f in sent.items() if f is None)
-    if absent and len(absent) < len(sent):
+    partial = bool(absent) and len(absent) < len(sent)
+    if partial:
         lines.append(f"{what}: not sent by ranks {ranges.compress_capped(absent, 8)}")
-    by_digest: dict[str, Fields] = {}
-    for f in sent.values():
+    # Equal fingerprints are equal tuples: grouped as they are, no hashing of their text.
+    groups: dict[Fields, list[int]] = {}
+    for r, f in sent.items():
         if f is not None:
-            by_digest.setdefault(digest(f), f)
-    if len(by_digest) <= 1:
+            groups.setdefault(f, []).append(r)
+    if len(groups) <= 1:
         return lines, len(lines)
-    tables = {d: dict(f) for d, f in by_digest.items()}
-    ranks_of = {r: digest(f) for r, f in sent.items() if f is not None}
-    names = sorted({k for t in tables.values() for k in t})
-    differing = [k for k in names if len({t.get(k) for t in tables.values()}) > 1]
+    tables = [(dict(f), ranks) for f, ranks in groups.items()]
+    names = sorted({k for table, _ in tables for k in table})
+    differing = [k for k in names if len({table.get(k) for table, _ in tables}) > 1]
     for name in differing[:cap]:
-        values = {r: tables[d].get(name, "(absent)") for r, d in ranks_of.items()}
+        values = {r: table.get(name, "(absent)") for table, ranks in tables for r in ranks}
         lines.append(f"{what}.{name}: {ranges.by_value(values)}")
-    return lines, len(differing) + (1 if absent and len(absent) < len(sent) else 0)
+    return lines, len(differing) + partial
 
 
 def check_fields(name: str, fields: Iterable[tuple[str, str]], limit: int) -> Fields:

@@ -143,7 +143,7 @@ def _check_parity(
     points = parity.mismatches(kept_shape, o, ln)
     if not len(points) and volume == total:
         return []
-    problems = _named_at(tensor, shape, ranks, offsets, lengths, points, kept)
+    problems = _named_at(tensor, shape, ranks, offsets, lengths, points, (kept, o, ln))
     if not problems:  # an element held three (or five...) times: odd, so no corner tells
         problems.append(
             CoverageProblem(
@@ -164,11 +164,12 @@ def _named_at(
     offsets: Int64s,
     lengths: Int64s,
     points: Int64s,
-    kept: list[int],
+    reduced: tuple[list[int], Int64s, Int64s],
 ) -> list[CoverageProblem]:
     """The first overlap and the first gap found around the points where the corner parity
-    differs from the tensor's (in the dimensions `kept`), overlap first."""
-    o, ln = offsets[:, kept], lengths[:, kept]
+    differs from the tensor's, overlap first. `reduced`: the dimensions kept, and the
+    offsets and lengths in them (parity.reduce_full), where the points lie."""
+    kept, o, ln = reduced
     kept_shape = [shape[d] for d in kept]
     overlap: CoverageProblem | None = None
     gap: CoverageProblem | None = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from coordinator.contract import ranges
 from coordinator.contract.diff import ManifestDiff, diff
 from coordinator.decision.checks import Finding, Level, warnings
+from coordinator.decision.checks.agreement import AGREEMENT_BY_CAUSE
 from coordinator.decision.cohort import Cause, CohortState, LaunchGroup, Outcome, SignatureClass
 from coordinator.decision.formation import Decision, FormationOptions, decide
 
@@ -110,28 +111,6 @@ WEIGHT_ADVICE = {
 }
 
 
-# The config, code and facts checks: what the refusal says failed, and what to do.
-AGREEMENT_ADVICE = {
-    Cause.CONFIG: (
-        "they disagree on the model config",
-        "every rank must build its model from the same config; the fields above differ "
-        "(a config file, a command-line override or an environment variable read on some "
-        "nodes only). Fix the ranks named above and relaunch.",
-    ),
-    Cause.CODE: (
-        "they run different training code",
-        "every rank must run the same script at the same commit with the same numerics "
-        "packages: update the stale checkout or environment on the ranks named above, or set "
-        "--policy code=warn where the difference is deliberate.",
-    ),
-    Cause.FACTS: (
-        "they disagree on declared facts",
-        "the ranks declared different facts (agent.join(facts=...)): make them load the same "
-        "tokenizer, data and checkpoint, then relaunch.",
-    ),
-}
-
-
 def render_mismatch(
     job_id: str,
     round_: int,
@@ -151,8 +130,8 @@ def render_mismatch(
         head = f"all {world_size} ranks joined, but their runtimes disagree."
     elif cause is Cause.WEIGHTS:
         head = f"all {world_size} ranks joined with matching models, but " + WEIGHT_HEADS[weights]
-    elif cause in AGREEMENT_ADVICE:
-        head = f"all {world_size} ranks joined, but {AGREEMENT_ADVICE[cause][0]}."
+    elif cause in AGREEMENT_BY_CAUSE:
+        head = f"all {world_size} ranks joined, but they {AGREEMENT_BY_CAUSE[cause].what}."
     else:
         head = f"all {world_size} ranks joined, but their layered identities disagree."
     lines = [f"cohortgate refused to form job '{job_id}' round {round_}: {head}"]
@@ -162,8 +141,8 @@ def render_mismatch(
     if cause is Cause.WEIGHTS:
         lines.append("What to do: " + WEIGHT_ADVICE[weights])
         return "\n".join(lines)
-    if cause in AGREEMENT_ADVICE:
-        lines.append("What to do: " + AGREEMENT_ADVICE[cause][1])
+    if cause in AGREEMENT_BY_CAUSE:
+        lines.append("What to do: " + AGREEMENT_BY_CAUSE[cause].advice)
         return "\n".join(lines)
     lines.append(
         "What to do: every rank must build the same model (same code, config and dtype) "
@@ -249,10 +228,9 @@ def _strict_headline(decision: Decision) -> str:
     strict = [f for f in decision.findings if f.level is Level.STRICT]
     if not strict:
         return decision.reason.strip("[]")
-    if decision.cause in AGREEMENT_ADVICE:
+    if decision.cause in AGREEMENT_BY_CAUSE:
         more = f" (and {len(strict) - 1} more)" if len(strict) > 1 else ""
-        said = AGREEMENT_ADVICE[decision.cause][0].replace("they", "ranks", 1)
-        return f"{said}: {strict[0].text}{more}"
+        return f"{AGREEMENT_BY_CAUSE[decision.cause].refusal}: {strict[0].text}{more}"
     f = strict[0]
     ranks = f"ranks {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
     return f"{f.check}: {ranks}{f.text}"

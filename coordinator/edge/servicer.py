@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
@@ -211,13 +212,21 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             await self._digests(context, await Upload.chunked(chunks, self.limits))
         return pb.UploadDigestsResponse()
 
+    def _sender(
+        self, context: grpc.aio.ServicerContext, upload: Upload, sent: type[Message]
+    ) -> pb.UploadManifestHeader:
+        """Who an upload says it comes from (its front fields), in the log context, and
+        allowed by the caller's token."""
+        head = rpc.upload_header(upload.front, sent)
+        structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
+        self.auth.check_job(_metadata(context), head.job_id)
+        return head
+
     async def _manifest(self, context: grpc.aio.ServicerContext, upload: Upload) -> None:
         """Who sends, and whether the size is allowed, from the request's first fields;
         only then is the rest received, and the manifest decoded, hashed and compacted
         (see _decoded)."""
-        head = rpc.upload_header(upload.front, pb.UploadManifestRequest)
-        structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
-        self.auth.check_job(_metadata(context), head.job_id)
+        head = self._sender(context, upload, pb.UploadManifestRequest)
         ref, signature = rpc.upload_ref(head), sha256(head.signature, "signature")
         if self.coordinator.wants_upload(ref, UploadKind.MANIFEST, signature, upload.size):
             data = await upload.rest()
@@ -225,10 +234,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             self.coordinator.upload(ref, manifest, signature, size=len(data))
 
     async def _digests(self, context: grpc.aio.ServicerContext, upload: Upload) -> None:
-        head = rpc.upload_header(upload.front, pb.UploadDigestsRequest)
-        structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
-        self.auth.check_job(_metadata(context), head.job_id)
-        ref = rpc.upload_ref(head)
+        ref = rpc.upload_ref(self._sender(context, upload, pb.UploadDigestsRequest))
         if self.coordinator.wants_upload(ref, UploadKind.DIGESTS, b"", upload.size):
             digests = await self._decoded(rpc.digests_of, await upload.rest())
             await self.coordinator.upload_digests(ref, digests)

@@ -346,6 +346,11 @@ class MemoryStore(CohortStore):
         return decision
 
     def digests_manifest(self, ref: UploadRef) -> ManifestLike:
+        return self._digests_source(ref)[2]
+
+    def _digests_source(self, ref: UploadRef) -> tuple[LiveCohort, Member, ManifestLike]:
+        """The uploader's cohort and member, checked to be asked for digests, and the
+        manifest whose entries name them."""
         cohort, member = self._member(ref, "digests")
         self._check_digests_expected(ref, member)
         manifest = cohort.state.manifests.get(member.signature)
@@ -354,13 +359,12 @@ class MemoryStore(CohortStore):
                 f"the manifest of rank {ref.rank}'s signature is not uploaded yet; digests are "
                 "named by its entries"
             )
-        return manifest
+        return cohort, member, manifest
 
     def upload_digests(
         self, ref: UploadRef, digests: list[bytes], combined: bytes | None = None
     ) -> LiveCohort:
-        cohort, member = self._member(ref, "digests")
-        manifest = self.digests_manifest(ref)
+        cohort, member, manifest = self._digests_source(ref)
         if len(digests) != member.manifest_entries:
             raise InvalidArgument(
                 f"{len(digests)} digests uploaded, but rank {ref.rank}'s manifest has "

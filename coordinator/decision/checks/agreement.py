@@ -17,12 +17,14 @@ class AgreementCheck(Check):
     otherwise a partial fingerprint warns at most."""
 
     def __init__(
-        self, name: str, default: Level, cause: Cause, refusal: str, partial_strict: bool
+        self, name: str, default: Level, cause: Cause, what: str, advice: str, partial_strict: bool
     ) -> None:
         self.name = name  # type: ignore[misc]  # one class, three checks
         self.default = default  # type: ignore[misc]
         self.cause = cause  # type: ignore[misc]
-        self.refusal = refusal  # type: ignore[misc]
+        self.what = what  # "disagree on the model config": the refusal says who (ranks, they)
+        self.refusal = f"ranks {what}"  # type: ignore[misc]
+        self.advice = advice  # the report's "What to do"
         self.help = f"every rank sends the same {AGREED[name]}"  # type: ignore[misc]
         self.partial_strict = partial_strict
 
@@ -56,8 +58,34 @@ def _minority(sent: dict[int, Fields | None]) -> tuple[int, ...]:
 
 AGREEMENT_CHECKS = (
     AgreementCheck(
-        "config", Level.STRICT, Cause.CONFIG, "ranks disagree on the model config", False
+        "config",
+        Level.STRICT,
+        Cause.CONFIG,
+        "disagree on the model config",
+        "every rank must build its model from the same config; the fields above differ "
+        "(a config file, a command-line override or an environment variable read on some "
+        "nodes only). Fix the ranks named above and relaunch.",
+        partial_strict=False,
     ),
-    AgreementCheck("code", Level.WARN, Cause.CODE, "ranks run different training code", False),
-    AgreementCheck("facts", Level.STRICT, Cause.FACTS, "ranks disagree on declared facts", True),
+    AgreementCheck(
+        "code",
+        Level.WARN,
+        Cause.CODE,
+        "run different training code",
+        "every rank must run the same script at the same commit with the same numerics "
+        "packages: update the stale checkout or environment on the ranks named above, or set "
+        "--policy code=warn where the difference is deliberate.",
+        partial_strict=False,
+    ),
+    AgreementCheck(
+        "facts",
+        Level.STRICT,
+        Cause.FACTS,
+        "disagree on declared facts",
+        "the ranks declared different facts (agent.join(facts=...)): make them load the same "
+        "tokenizer, data and checkpoint, then relaunch.",
+        partial_strict=True,
+    ),
 )
+# The report's words for a refusal by one of them.
+AGREEMENT_BY_CAUSE = {c.cause: c for c in AGREEMENT_CHECKS}
