@@ -248,3 +248,62 @@ def test_many_digests_are_combined_off_the_loop_and_name_the_tensor_that_differs
     assert {v.outcome for v in verdicts} == {pb.Verdict.OUTCOME_REFUSED}
     report = verdicts[0].refusal.report
     assert "model.layers.7.weight" in report and "model.layers.8.weight" not in report, report
+
+
+def test_many_digests_of_the_wrong_count_are_refused_by_count_not_as_a_bug() -> None:
+    """Over INLINE_DIGESTS the combination runs off the loop: a count that does not match
+    the manifest must still be INVALID_ARGUMENT naming the counts, not INTERNAL."""
+    c = InProcessCoordinator(join_deadline=30.0, policy="weights=strict", progress_interval=0.2)
+    m = big(12_000)
+    same = [b"\0" * 32] * len(m)
+    other = [*same[:7], b"\1" * 32, *same[8:]]
+    errors: list[grpc.RpcError] = []
+    answered = threading.Event()
+
+    def rank(r: int) -> None:
+        request = join_request("count", r, 2, m, weights_digest=combine_named(m, [same, other][r]))
+        request.weights_digest_format = 2
+        with grpc.insecure_channel(c.addr) as channel:
+            stub = pb_grpc.CohortServiceStub(channel)
+            for event in stub.Join(request, timeout=20):
+                kind = event.WhichOneof("event")
+                if answered.is_set():
+                    return  # the short upload was answered: the test is done
+                if kind == "manifest_request":
+                    stub.UploadManifestChunks(
+                        wire.upload_chunks(
+                            wire.manifest_answer(request, event.manifest_request.round, m)
+                        ),
+                        timeout=10,
+                    )
+                elif kind == "digest_request" and r == 1:
+                    short = wire.digests_answer(request, event.digest_request.round, other[:-1])
+                    try:
+                        stub.UploadDigestsChunks(wire.upload_chunks(short), timeout=10)
+                    except grpc.RpcError as exc:
+                        errors.append(exc)
+                    answered.set()
+                    return
+                elif kind == "digest_request":
+                    answer = wire.digests_answer(request, event.digest_request.round, same)
+                    stub.UploadDigestsChunks(wire.upload_chunks(answer), timeout=10)
+                elif kind == "verdict":
+                    return
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(rank, range(2)))
+    finally:
+        c.stop()
+    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT], [
+        e.details() for e in errors
+    ]
+    assert "11999 digests uploaded, but rank 1's manifest has 12000 entries" in (
+        errors[0].details() or ""
+    )
+
+
+def combine_named(m: Manifest, digests: list[bytes]) -> bytes:
+    from coordinator.contract.digests import combine
+
+    return combine(zip((e.name for e in m.entries), digests, strict=True))

@@ -410,7 +410,7 @@ class Coordinator:
         model) in a worker thread when many, then checked and kept on the loop."""
         combined = None
         if len(digests) > INLINE_DIGESTS:
-            manifest = self.store.digests_manifest(ref)
+            manifest = self.store.digests_manifest(ref, len(digests))
             combined = await asyncio.to_thread(
                 lambda: combine_uploaded((e.name for e in manifest.entries), digests)
             )

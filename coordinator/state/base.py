@@ -142,8 +142,9 @@ class CohortStore(abc.ABC):
         """A manifest upload, checked against its signature (InvalidUpload if it lies)."""
 
     @abc.abstractmethod
-    def digests_manifest(self, ref: UploadRef) -> ManifestLike:
-        """The manifest whose entries name `ref`'s digests (checks that they were asked)."""
+    def digests_manifest(self, ref: UploadRef, count: int) -> ManifestLike:
+        """The manifest whose entries name `ref`'s `count` digests (checks that they were
+        asked, and are as many as its entries)."""
 
     @abc.abstractmethod
     def upload_digests(

@@ -345,14 +345,21 @@ class MemoryStore(CohortStore):
             job.incarnations[m.incarnation] = cohort.round
         return decision
 
-    def digests_manifest(self, ref: UploadRef) -> ManifestLike:
-        return self._digests_source(ref)[2]
+    def digests_manifest(self, ref: UploadRef, count: int) -> ManifestLike:
+        return self._digests_source(ref, count)[2]
 
-    def _digests_source(self, ref: UploadRef) -> tuple[LiveCohort, Member, ManifestLike]:
-        """The uploader's cohort and member, checked to be asked for digests, and the
-        manifest whose entries name them."""
+    def _digests_source(
+        self, ref: UploadRef, count: int
+    ) -> tuple[LiveCohort, Member, ManifestLike]:
+        """The uploader's cohort and member, checked to be asked for `count` digests, and
+        the manifest whose entries name them."""
         cohort, member = self._member(ref, "digests")
         self._check_digests_expected(ref, member)
+        if count != member.manifest_entries:
+            raise InvalidArgument(
+                f"{count} digests uploaded, but rank {ref.rank}'s manifest has "
+                f"{member.manifest_entries} entries: send one per entry, in manifest order"
+            )
         manifest = cohort.state.manifests.get(member.signature)
         if manifest is None:
             raise FailedPrecondition(
@@ -364,12 +371,7 @@ class MemoryStore(CohortStore):
     def upload_digests(
         self, ref: UploadRef, digests: list[bytes], combined: bytes | None = None
     ) -> LiveCohort:
-        cohort, member, manifest = self._digests_source(ref)
-        if len(digests) != member.manifest_entries:
-            raise InvalidArgument(
-                f"{len(digests)} digests uploaded, but rank {ref.rank}'s manifest has "
-                f"{member.manifest_entries} entries: send one per entry, in manifest order"
-            )
+        cohort, member, manifest = self._digests_source(ref, len(digests))
         if combined is None:
             combined = combine_uploaded((e.name for e in manifest.entries), digests)
         if combined != member.weights_digest:
