@@ -204,7 +204,7 @@ def _too_large(request: pb.JoinRequest, details: str) -> str:
     """What to do when the join itself is over the coordinator's message limit."""
     if "larger than max" not in details:
         return ""
-    pieces = len(request.layout.pieces)
+    pieces = len(request.layout.pieces) + len(request.layout.columns.replicated)
     return (
         f" (this join is {request.ByteSize()} bytes, with a layout of {pieces} pieces); raise "
         "the coordinator's --max-message-bytes, and a relay's, to take it"

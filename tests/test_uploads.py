@@ -93,7 +93,7 @@ def test_a_join_over_the_message_limit_says_which_flag_to_raise(
     )
 
 
-def test_a_large_layout_crosses_to_a_worker_as_its_wire_bytes() -> None:
+def test_a_large_layout_crosses_to_a_worker_as_columns_of_bytes() -> None:
     decl = layout(0, tp=1)
     for i in range(5_000):
         decl.shard(f"model.layers.{i}.weight", (4, 4), (0, 0), (4, 4))
@@ -192,7 +192,7 @@ def test_a_stream_shorter_or_longer_than_declared_is_refused_and_may_be_sent_aga
 
 
 def _sharded(job: str, rank: int) -> tuple[pb.JoinRequest, Manifest]:
-    """Rank `rank` of 4 (tp=4) with a layout of 6,000 pieces: each join is ~300 KB."""
+    """Rank `rank` of 4 (tp=4) with a layout of 6,000 pieces: each join is ~400 KB."""
     decl = layout(rank, tp=4)
     for i in range(6000):
         decl.split(f"model.layers.{i}.mlp.up_proj.weight", (8, 4), 0, rank, 4)

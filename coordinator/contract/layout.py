@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 LAYOUT_FORMAT_VERSION = 1
 AXES = ("tp", "cp", "ep", "dp", "pp")
@@ -68,6 +70,126 @@ class ShardPiece(NamedTuple):
     replicated: bool = False
 
 
+# array typecodes of the widths PieceColumns values come in (both sizes on every platform
+# CPython supports)
+WIDTHS = {4: "i", 8: "q"}
+
+
+def le_array(typecode: str, data: bytes = b"") -> array[int]:
+    """Little-endian bytes (the wire's columns) as an array of native integers."""
+    values = array(typecode, data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
+
+
+def le_bytes(values: array[int]) -> bytes:
+    if sys.byteorder == "big":
+        values = array(values.typecode, values)
+        values.byteswap()
+    return values.tobytes()
+
+
+@dataclass(frozen=True)
+class PieceColumns:
+    """A rank's pieces as columns (the wire's PieceColumns), grouped by tensor: each tensor
+    once with its logical shape and how many of its pieces follow, then every piece's box
+    as little-endian int64 bytes. A million pieces are a handful of objects, read by the
+    coordinator as arrays (decision.pieces) and pickled to a decision worker as bytes.
+    Iterating yields ShardPieces, for small layouts and tests."""
+
+    tensors: tuple[str, ...] = ()
+    dims: bytes = b""  # per tensor, one byte
+    shapes: bytes = b""  # per tensor, dims values
+    counts: bytes = b""  # per tensor, uint32 LE
+    offsets: bytes = b""  # per piece, its tensor's dims values
+    lengths: bytes = b""
+    replicated: bytes = b""  # per piece, 0 or 1
+    width: int = 8  # bytes per value of shapes, offsets and lengths (LE): 4 or 8
+
+    @property
+    def typecode(self) -> str:
+        return WIDTHS[self.width]
+
+    @classmethod
+    def of(cls, pieces: Iterable[ShardPiece]) -> PieceColumns:
+        """Group pieces by tensor (in first-seen order). Every piece of a tensor must give
+        the same logical shape, and as many offsets and lengths as it has dimensions."""
+        by_tensor: dict[str, list[ShardPiece]] = {}
+        for p in pieces:
+            by_tensor.setdefault(p.tensor, []).append(p)
+        shapes, counts = array("q"), array("I")
+        offsets, lengths, replicated = array("q"), array("q"), bytearray()
+        dims = bytearray()
+        for tensor, held in by_tensor.items():
+            shape = held[0].shape
+            for p in held:
+                if p.shape != shape:
+                    raise ValueError(
+                        f"tensor '{tensor[:80]}' is declared with two logical shapes, "
+                        f"{list(shape)} and {list(p.shape)}"
+                    )
+                if len(p.offset) != len(shape) or len(p.length) != len(shape):
+                    raise ValueError(
+                        f"a piece of '{tensor[:80]}' has {len(p.offset)} offsets and "
+                        f"{len(p.length)} lengths for a tensor of {len(shape)} dimensions "
+                        f"({list(shape)})"
+                    )
+                offsets.extend(p.offset)
+                lengths.extend(p.length)
+                replicated.append(1 if p.replicated else 0)
+            if len(shape) > 255:
+                raise ValueError(f"tensor '{tensor[:80]}' has {len(shape)} dimensions")
+            dims.append(len(shape))
+            shapes.extend(shape)
+            counts.append(len(held))
+        # 4 bytes a value when every value fits (nearly always): half the bytes on the wire
+        if all(
+            min(c, default=0) >= -(2**31) and max(c, default=0) < 2**31
+            for c in (shapes, offsets, lengths)
+        ):
+            shapes, offsets, lengths = (array("i", c) for c in (shapes, offsets, lengths))
+        return cls(
+            tuple(by_tensor),
+            bytes(dims),
+            le_bytes(shapes),
+            le_bytes(counts),
+            le_bytes(offsets),
+            le_bytes(lengths),
+            bytes(replicated),
+            shapes.itemsize,
+        )
+
+    def __len__(self) -> int:
+        return len(self.replicated)
+
+    def __iter__(self) -> Iterator[ShardPiece]:
+        code = self.typecode
+        shapes, counts = le_array(code, self.shapes), le_array("I", self.counts)
+        offsets, lengths = le_array(code, self.offsets), le_array(code, self.lengths)
+        at = value = piece = 0
+        for tensor, d, count in zip(self.tensors, self.dims, counts, strict=True):
+            shape = tuple(shapes[at : at + d])
+            at += d
+            for _ in range(count):
+                yield ShardPiece(
+                    tensor,
+                    shape,
+                    tuple(offsets[value : value + d]),
+                    tuple(lengths[value : value + d]),
+                    bool(self.replicated[piece]),
+                )
+                value += d
+                piece += 1
+
+    @overload
+    def __getitem__(self, index: int) -> ShardPiece: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[ShardPiece, ...]: ...
+    def __getitem__(self, index: int | slice) -> ShardPiece | tuple[ShardPiece, ...]:
+        return tuple(self)[index]
+
+
 @dataclass(frozen=True)
 class Layout:
     """What a rank declares about its place in a sharded job."""
@@ -77,28 +199,8 @@ class Layout:
     config: str = ""  # config_fingerprint() of the model config, if the user passed one
     dtype: str = ""  # e.g. "bfloat16 params, float32 grads"
     quantization: str = ""
-    pieces: tuple[ShardPiece, ...] = ()
+    pieces: tuple[ShardPiece, ...] | PieceColumns = ()
     format: int = LAYOUT_FORMAT_VERSION
-    # How a large layout crosses to a worker process: its wire bytes and the function that
-    # decodes them there (see codec.wire.layout_from_pb). Pickling 100k pieces as tuples
-    # holds the GIL (and so the coordinator's event loop) for ~0.2 s per rank; bytes, ~0.
-    wire: tuple[Callable[[bytes], Layout], bytes] | None = field(
-        default=None, compare=False, repr=False
-    )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        if self.wire is not None:
-            decode, data = self.wire
-            return decode, (data,)
-        return Layout, (
-            self.sizes,
-            self.position,
-            self.config,
-            self.dtype,
-            self.quantization,
-            self.pieces,
-            self.format,
-        )
 
     def size(self, axis: str) -> int:
         return int(self.sizes.get(axis, 1))

@@ -64,6 +64,53 @@ def check(tensor: str, shape: Sequence[int], pieces: Sequence[Piece]) -> list[Co
 # Below this many pieces the plain Python path is as fast and needs no arrays.
 FAST_MIN_PIECES = 256
 Int64s = npt.NDArray[np.int64]
+# Out-of-bounds pieces named one by one; the rest are counted.
+OUTSIDE_NAMED = 20
+
+
+def check_columns(
+    tensor: str, shape: Sequence[int], ranks: Int64s, offsets: Int64s, lengths: Int64s
+) -> list[CoverageProblem]:
+    """check() for pieces as columns (ranks (n,), offsets and lengths (n, dims)), with no
+    object per piece unless there are few: what the coverage check calls for a tensor that
+    does not plainly tile."""
+    shape_arr = np.asarray(tuple(shape), dtype=np.int64)
+    outside = np.flatnonzero(
+        ((offsets < 0) | (lengths < 0) | (offsets + lengths > shape_arr)).any(axis=1)
+    )
+    if len(outside):
+        problems = [
+            CoverageProblem(
+                tensor,
+                "out_of_bounds",
+                f"piece {_piece_at(ranks, offsets, lengths, int(i)).describe()} lies outside "
+                f"the tensor's shape {list(shape)}",
+                (int(ranks[i]),),
+            )
+            for i in outside[:OUTSIDE_NAMED]
+        ]
+        if len(outside) > OUTSIDE_NAMED:
+            problems.append(
+                CoverageProblem(
+                    tensor,
+                    "out_of_bounds",
+                    f"{len(outside) - OUTSIDE_NAMED} more pieces lie outside it",
+                    tuple(sorted({int(r) for r in ranks[outside[OUTSIDE_NAMED:]][:16]})),
+                )
+            )
+        return problems
+    if len(ranks) >= FAST_MIN_PIECES:
+        fast = check_arrays(tensor, shape, ranks, offsets, lengths)
+        if fast is not None:
+            return fast
+    return _check_pieces(
+        tensor,
+        shape,
+        [
+            Piece(r, tuple(o), tuple(n))
+            for r, o, n in zip(ranks.tolist(), offsets.tolist(), lengths.tolist(), strict=True)
+        ],
+    )
 
 
 def check_arrays(

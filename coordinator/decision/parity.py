@@ -39,27 +39,33 @@ def odd_corners(shape: Sequence[int], offsets: Int64s, lengths: Int64s) -> Int64
     radix = [int(s) + 1 for s in shape]
     space = math.prod(radix)
     if space >= 2**62:
-        return _odd_rows(np.concatenate([np.where(m, ends, offsets) for m in _masks(dims)]))
+        return _odd_rows(np.concatenate([np.where(m, ends, offsets) for m in corner_masks(dims)]))
     # One int64 key per corner point (mixed radix, first dimension most significant).
     keys = np.zeros(n << dims, dtype=np.int64)
     for d in range(dims):
-        column = np.concatenate([ends[:, d] if m[d] else offsets[:, d] for m in _masks(dims)])
+        column = np.concatenate([ends[:, d] if m[d] else offsets[:, d] for m in corner_masks(dims)])
         keys *= radix[d]
         keys += column
-    if space <= max(8 * len(keys), 1 << 22):
-        odd_keys = np.flatnonzero(np.bincount(keys, minlength=space) & 1)
-    else:
-        ordered = np.sort(keys)
-        new = np.ones(len(ordered), dtype=bool)
-        new[1:] = ordered[1:] != ordered[:-1]
-        starts = np.flatnonzero(new)
-        counts = np.diff(np.append(starts, len(ordered)))
-        odd_keys = ordered[starts[counts % 2 == 1]]
+    odd_keys = odd_keys_of(keys, space)
     rows = np.zeros((len(odd_keys), dims), dtype=np.int64)
     rest = odd_keys.astype(np.int64)
     for d in reversed(range(dims)):
         rest, rows[:, d] = np.divmod(rest, radix[d])
     return rows
+
+
+def odd_keys_of(keys: Int64s, space: int) -> Int64s:
+    """The keys (all in [0, space)) occurring an odd number of times, sorted: by counting
+    when the space is not much larger than the list, else by sorting."""
+    if space <= max(8 * len(keys), 1 << 22):
+        return np.flatnonzero(np.bincount(keys, minlength=space) & 1).astype(np.int64)
+    ordered = np.sort(keys)
+    new = np.ones(len(ordered), dtype=bool)
+    new[1:] = ordered[1:] != ordered[:-1]
+    starts = np.flatnonzero(new)
+    counts = np.diff(np.append(starts, len(ordered)))
+    odd: Int64s = ordered[starts[counts % 2 == 1]]
+    return odd
 
 
 def _odd_rows(points: Int64s) -> Int64s:
@@ -73,14 +79,14 @@ def _odd_rows(points: Int64s) -> Int64s:
     return odd
 
 
-def _masks(dims: int) -> list[npt.NDArray[np.bool_]]:
+def corner_masks(dims: int) -> list[npt.NDArray[np.bool_]]:
     return [np.array(bits, dtype=bool) for bits in itertools.product((False, True), repeat=dims)]
 
 
 def box_corners(shape: Sequence[int]) -> Int64s:
     dims = len(shape)
     corners = np.array(
-        [[shape[d] if bit else 0 for d, bit in enumerate(bits)] for bits in _masks(dims)],
+        [[shape[d] if bit else 0 for d, bit in enumerate(bits)] for bits in corner_masks(dims)],
         dtype=np.int64,
     ).reshape(-1, dims)
     return corners[np.lexsort(corners.T[::-1])] if len(corners) else corners
@@ -146,7 +152,7 @@ def empty_cell(
 ) -> Int64s | None:
     """The low corner of a unit cell at `point`, inside the box, that none of `idx` holds."""
     shape_arr = np.asarray(tuple(shape), dtype=np.int64)
-    for mask in _masks(len(shape)):
+    for mask in corner_masks(len(shape)):
         cell = point - mask.astype(np.int64)
         if bool((cell < 0).any() or (cell >= shape_arr).any()):
             continue

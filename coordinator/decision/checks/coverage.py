@@ -5,21 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from coordinator.contract.layout import Layout
 from coordinator.contract.ranges import by_value
 from coordinator.decision import coverage
-from coordinator.decision.checks.base import (
-    Check,
-    Context,
-    Finding,
-    Level,
-    Result,
-    disagreement,
-)
+from coordinator.decision.checks.base import Check, Context, Finding, Level, Result
 from coordinator.decision.checks.layout import layered_reason
 from coordinator.decision.cohort import Cause
+from coordinator.decision.pieces import CohortPieces, Rows
 
-PieceHeld = tuple[int, coverage.Piece, tuple[int, ...], bool]  # rank, piece, shape, replicated
+# Tensors that fail, examined one by one to name their problems; past this, counted.
+DETAILED = 64
 
 
 class CoverageCheck(Check):
@@ -39,23 +36,24 @@ class CoverageCheck(Check):
         ):
             return Result()
         dp = next(iter(layouts.values())).size("dp")
-        return Result(tuple(self._absent(layouts, dp, level) + self._tiling(layouts, dp, level)))
+        table = CohortPieces(layouts)
+        return Result(
+            tuple(
+                self._absent(table, layouts, dp, level)
+                + self._shapes(table, level)
+                + self._tiling(table, dp, level)
+            )
+        )
 
-    def _absent(self, layouts: Mapping[int, Layout], dp: int, level: Level) -> list[Finding]:
+    def _absent(
+        self, table: CohortPieces, layouts: Mapping[int, Layout], dp: int, level: Level
+    ) -> list[Finding]:
         """Every replica must hold the same logical tensors."""
-        names = {
-            replica: {
-                p.tensor
-                for lay in layouts.values()
-                if lay.position.get("dp", 0) == replica
-                for p in lay.pieces
-            }
-            for replica in range(dp)
-        }
-        everything = set().union(*names.values()) if names else set()
+        held = {replica: table.held_by(replica) for replica in range(dp)}
+        everything = np.logical_or.reduce([np.zeros(len(table.names), bool), *held.values()])
         out = []
-        for replica, tensor_names in names.items():
-            absent = sorted(everything - tensor_names)
+        for replica, mine in held.items():
+            absent = sorted(table.names[t] for t in np.flatnonzero(everything & ~mine).tolist())
             if absent:
                 ranks = tuple(
                     r for r, lay in layouts.items() if lay.position.get("dp", 0) == replica
@@ -73,47 +71,79 @@ class CoverageCheck(Check):
                 )
         return out
 
-    def _tiling(self, layouts: Mapping[int, Layout], dp: int, level: Level) -> list[Finding]:
-        """Within each replica, every logical tensor's pieces must tile it."""
+    def _shapes(self, table: CohortPieces, level: Level) -> list[Finding]:
+        """Every rank must give a tensor the same logical shape."""
+        out = []
+        for tensor, shapes in sorted(table.conflicts.items(), key=lambda c: table.names[c[0]]):
+            text = f"'{table.names[tensor]}' logical shape: " + by_value(
+                {r: str(list(shape)) for r, shape in shapes.items()}
+            )
+            out.append(Finding(self.name, level, text, tuple(shapes)))
+        return out
+
+    def _tiling(self, table: CohortPieces, dp: int, level: Level) -> list[Finding]:
+        """Within each replica, every logical tensor's pieces must tile it: all at once as
+        columns (decision.pieces); the tensors that fail, one by one, to name why."""
         out: list[Finding] = []
+        budget = DETAILED
         for replica in range(dp):
-            tensors: dict[str, list[PieceHeld]] = {}
-            for rank, lay in layouts.items():
-                if lay.position.get("dp", 0) != replica:
-                    continue
-                for p in lay.pieces:
-                    tensors.setdefault(p.tensor, []).append(
-                        (rank, coverage.Piece(rank, p.offset, p.length), p.shape, p.replicated)
+            where = f"replica dp={replica}"
+            large, failing = table.examine(replica)
+            for tensor, rows in large.items():
+                shape = tuple(int(v) for v in table.shapes[rows.dims][tensor])
+                out += self._tensor(where, table.names[tensor], shape, rows, level)
+            named, rest = failing[:budget], failing[budget:]
+            budget -= len(named)
+            for tensor in named:
+                rows = table.pieces_of(replica, tensor)
+                shape = tuple(int(v) for v in table.shapes[rows.dims][tensor])
+                out += self._tensor(where, table.names[tensor], shape, rows, level)
+            if rest:
+                shown = ", ".join(f"'{table.names[t]}'" for t in rest[:5])
+                out.append(
+                    Finding(
+                        self.name,
+                        level,
+                        f"replica dp={replica}: {len(rest)} more tensors do not tile ({shown}"
+                        + (", ..." if len(rest) > 5 else "")
+                        + "); the report names the problems of the first "
+                        f"{DETAILED}",
+                        (),
                     )
-            for tensor, held in sorted(tensors.items()):
-                out += self._tensor(f"replica dp={replica}", tensor, held, level)
+                )
         return out
 
     def _tensor(
-        self, where: str, tensor: str, held: list[PieceHeld], level: Level
+        self, where: str, tensor: str, shape: tuple[int, ...], rows: Rows, level: Level
     ) -> list[Finding]:
-        shapes = {r: str(list(shape)) for r, _, shape, _ in held}
-        text = disagreement(f"'{tensor}' logical shape", shapes)
-        if text is not None:
-            return [Finding(self.name, level, f"{where}: {text}", tuple(shapes))]
-        copies = {(p.offset, p.length) for _, p, _, rep in held if rep}
-        if len(copies) > 1:
-            boxes = {r: p.describe().split(" on ")[0] for r, p, _, rep in held if rep}
-            return [
-                Finding(
-                    self.name,
-                    level,
-                    f"{where}: '{tensor}' replicated pieces disagree: {by_value(boxes)}",
-                    tuple(boxes),
+        """What is wrong with one tensor's pieces (as columns) within one replica."""
+        rep = np.flatnonzero(rows.replicated)
+        if len(rep):
+            copies = {
+                r: coverage.Piece(r, tuple(o), tuple(n)).describe().split(" on ")[0]
+                for r, o, n in zip(
+                    rows.rank[rep].tolist(),
+                    rows.offsets[rep].tolist(),
+                    rows.lengths[rep].tolist(),
+                    strict=True,
                 )
-            ]
-        pieces = [p for _, p, _, rep in held if not rep]
-        replicated = [p for _, p, _, rep in held if rep]
-        if replicated:
-            pieces.append(replicated[0])  # one copy counts; the others agree with it
+            }
+            if len(set(copies.values())) > 1:
+                return [
+                    Finding(
+                        self.name,
+                        level,
+                        f"{where}: '{tensor}' replicated pieces disagree: {by_value(copies)}",
+                        tuple(copies),
+                    )
+                ]
+            # one copy counts; the others agree with it
+            rows = rows.take(~rows.replicated | (np.arange(len(rows.rank)) == rep[0]))
         return [
             Finding(self.name, level, f"{where}: {problem.render()}", problem.ranks)
-            for problem in coverage.check(tensor, held[0][2], pieces)
+            for problem in coverage.check_columns(
+                tensor, shape, rows.rank, rows.offsets, rows.lengths
+            )
         ]
 
     def reason(self, ctx: Context, strict: list[Finding]) -> str:

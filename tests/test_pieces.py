@@ -1,0 +1,276 @@
+"""A cohort's pieces as columns (decision.pieces): every tensor of every rank checked at
+once, against a brute-force count of every cell; the wire's columns and their validation."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.codec import wire
+from coordinator.contract.errors import InvalidArgument
+from coordinator.contract.layout import Layout, PieceColumns, ShardPiece, layout
+from coordinator.decision.checks.base import Level
+from coordinator.decision.checks.coverage import DETAILED, CoverageCheck
+from coordinator.decision.coverage import OUTSIDE_NAMED
+from coordinator.decision.pieces import LARGE, CohortPieces
+from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_rank
+from tests.test_parity import brute
+from tests.test_parity import layouts as tensor_layouts
+
+Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+@pytest.fixture(scope="module")
+def coordinator() -> Iterator[InProcessCoordinator]:
+    c = InProcessCoordinator(join_deadline=30.0)
+    yield c
+    c.stop()
+
+
+def findings(layouts: dict[int, Layout], dp: int = 1, large: int | None = None) -> list[str]:
+    check = CoverageCheck()
+    table = CohortPieces(layouts, large)
+    return [
+        f.text for f in check._shapes(table, Level.STRICT) + check._tiling(table, dp, Level.STRICT)
+    ]
+
+
+def named(texts: list[str]) -> set[str]:
+    return {name for text in texts for name in re.findall(r"'(t\d+)'", text)}
+
+
+@st.composite
+def cohorts(draw: st.DrawFn) -> tuple[dict[int, Layout], dict[str, bool]]:
+    """Up to 5 tensors (1-D to 4-D, and scalars), each tiled or disturbed, their pieces dealt
+    to up to 4 ranks; some tensors held whole by every rank as replicated copies (one copy
+    perhaps another box). Returns the layouts and, per tensor, whether it tiles."""
+    ranks = draw(st.integers(1, 4))
+    held: dict[int, list[ShardPiece]] = {r: [] for r in range(ranks)}
+    tiles = {}
+    for t in range(draw(st.integers(1, 5))):
+        name = f"t{t}"
+        kind = draw(st.sampled_from(["boxes", "boxes", "boxes", "replicated", "scalar"]))
+        if kind == "scalar":
+            count = draw(st.integers(0, 2))
+            for _ in range(count):
+                held[draw(st.integers(0, ranks - 1))].append(ShardPiece(name, (), (), ()))
+            if count:
+                tiles[name] = count == 1
+            continue
+        shape, boxes = draw(tensor_layouts())
+        if kind == "replicated":
+            wrong = draw(st.booleans()) and ranks > 1 and shape[0] > 1
+            for r in range(ranks):
+                length = (shape[0] - 1, *shape[1:]) if wrong and r == ranks - 1 else shape
+                held[r].append(ShardPiece(name, shape, (0,) * len(shape), length, True))
+            tiles[name] = not wrong
+            continue
+        if draw(st.booleans()) and boxes:  # one piece past the tensor's end
+            i = draw(st.integers(0, len(boxes) - 1))
+            offset, length = boxes[i]
+            boxes[i] = (offset, (length[0] + 1, *length[1:]))
+        if not boxes:
+            continue
+        for offset, length in boxes:
+            held[draw(st.integers(0, ranks - 1))].append(ShardPiece(name, shape, offset, length))
+        in_bounds = all(
+            o + n <= s for off, ln in boxes for o, n, s in zip(off, ln, shape, strict=True)
+        )
+        tiles[name] = in_bounds and bool((brute(shape, boxes) == 1).all())
+    layouts = {
+        r: Layout({"tp": ranks}, {"tp": r}, pieces=tuple(pieces)) for r, pieces in held.items()
+    }
+    return layouts, tiles
+
+
+@settings(max_examples=400, deadline=None)
+@given(cohorts())
+def test_every_tensor_at_once_agrees_with_the_brute_force_count(cohort) -> None:  # type: ignore[no-untyped-def]
+    layouts, tiles = cohort
+    broken = {name for name, ok in tiles.items() if not ok}
+    assert named(findings(layouts)) == broken
+    table = CohortPieces(layouts)
+    large, failing = table.examine(0)
+    assert not large
+    flagged = {table.names[t] for t in failing}
+    # The columns settle every tensor that tiles with pieces of some volume; only the rest
+    # are looked at one by one.
+    empty = {
+        p.tensor
+        for lay in layouts.values()
+        for p in lay.pieces
+        if not p.replicated and 0 in p.length
+    }
+    assert broken <= flagged <= broken | empty
+    # Every tensor checked alone, as a large one is: the same verdicts.
+    assert named(findings(layouts, large=1)) == broken
+
+
+def test_a_large_tensor_is_checked_alone_and_its_problems_named() -> None:
+    side = 72  # 72 x 72 = 5,184 pieces (>= LARGE) of a 2-D grid, dealt to 3 ranks
+    assert side * side >= LARGE
+    cells = [(i, j) for i in range(side) for j in range(side)]
+    pieces = {
+        r: [ShardPiece("t0", (side * 2, side), (2 * i, j), (2, 1)) for i, j in cells[r::3]]
+        for r in range(3)
+    }
+    layouts = {r: Layout({"tp": 3}, {"tp": r}, pieces=tuple(p)) for r, p in pieces.items()}
+    table = CohortPieces(layouts)
+    large, failing = table.examine(0)
+    assert list(large) == [0] and failing == []
+    assert findings(layouts) == []
+    row, column = pieces[1][7].offset
+    pieces[1][7] = pieces[1][7]._replace(offset=(row + 1, column))  # one row down
+    layouts[1] = Layout({"tp": 3}, {"tp": 1}, pieces=tuple(pieces[1]))
+    texts = findings(layouts)
+    assert [t.split(": ")[2] for t in texts] == ["overlap", "uncovered"], texts
+
+
+def tp_layouts(tensors: int, tp: int, rows: int = 64) -> dict[int, Layout]:
+    """Rank r of a tp-way split: even tensors split by rows, odd ones by columns, a bias
+    replicated; sent through the wire as agents send them (columns)."""
+    out = {}
+    for r in range(tp):
+        decl = layout(r, tp=tp)
+        for i in range(tensors):
+            decl.split(f"t{i}", (rows, rows), i % 2, r, tp)
+        decl.replicated("bias", (rows,))
+        out[r] = wire.layout_from_pb(wire.layout_to_pb(decl.build()))
+        assert isinstance(out[r].pieces, PieceColumns)
+    return out
+
+
+def moved(lay: Layout, tensor: str, shift: tuple[int, ...] | None) -> Layout:
+    """`lay` with the piece of `tensor` moved by `shift` (or dropped: None)."""
+    pieces = []
+    for p in lay.pieces:
+        if p.tensor != tensor:
+            pieces.append(p)
+        elif shift is not None:
+            pieces.append(
+                p._replace(offset=tuple(o + s for o, s in zip(p.offset, shift, strict=True)))
+            )
+    return Layout(lay.sizes, lay.position, pieces=tuple(pieces))
+
+
+def test_thousands_of_small_tensors_are_settled_together_and_the_broken_ones_named() -> None:
+    layouts = tp_layouts(2000, 8)
+    assert findings(layouts) == []
+    layouts[3] = moved(layouts[3], "t10", (1, 0))  # row-split: overlaps rank 4's piece
+    layouts[5] = moved(layouts[5], "t11", None)  # column-split: columns 40:48 held by nobody
+    texts = findings(layouts)
+    assert named(texts) == {"t10", "t11"}, texts
+    assert any("'t10': overlap: [32:33, 0:64] is held twice" in t for t in texts), texts
+    assert any("'t11': uncovered" in t and "[0:64, 40:48]" in t for t in texts), texts
+
+
+def test_past_the_detailed_limit_the_rest_are_counted() -> None:
+    layouts = tp_layouts(DETAILED + 10, 2)
+    for i in range(DETAILED + 10):
+        layouts[1] = moved(layouts[1], f"t{i}", None)
+    texts = findings(layouts)
+    assert sum("uncovered" in t for t in texts) == DETAILED
+    assert any("10 more tensors do not tile" in t for t in texts), texts[-1]
+
+
+def test_ranks_that_disagree_on_a_tensors_shape_are_named() -> None:
+    layouts = tp_layouts(4, 4)
+    wide = layout(2, tp=4).split("t1", (64, 128), 1, 2, 4)
+    for i in (0, 2, 3):
+        wide.split(f"t{i}", (64, 64), i % 2, 2, 4)
+    layouts[2] = Layout(layouts[2].sizes, layouts[2].position, pieces=wide.build().pieces)
+    texts = findings(layouts)
+    assert texts == ["'t1' logical shape: [64, 64] on ranks 0-1,3, [64, 128] on ranks 2"], texts
+
+
+def test_columns_round_trip_at_either_width() -> None:
+    small = [
+        ShardPiece("a", (4, 6), (0, 3), (4, 3)),
+        ShardPiece("b", (), (), ()),
+        ShardPiece("a", (4, 6), (0, 0), (4, 3)),
+        ShardPiece("c", (8,), (0,), (8,), True),
+    ]
+    cols = PieceColumns.of(small)
+    assert cols.width == 4 and len(cols) == 4
+    assert list(cols) == [small[0], small[2], small[1], small[3]]  # grouped by tensor
+    big = [ShardPiece("flat", (2**40,), (2**39,), (2**39,))]
+    assert PieceColumns.of(big).width == 8 and list(PieceColumns.of(big)) == big
+    sent = wire.layout_from_pb(wire.layout_to_pb(Layout({}, {}, pieces=tuple(big))))
+    assert list(sent.pieces) == big
+    with pytest.raises(ValueError, match="two logical shapes"):
+        PieceColumns.of([ShardPiece("a", (4,), (0,), (2,)), ShardPiece("a", (8,), (2,), (2,))])
+
+
+def columns(**fields: object) -> pb.Layout:
+    good = wire.layout_to_pb(
+        layout(0, tp=1).split("w", (8, 8), 0, 0, 1).replicated("b", (8,)).build()
+    )
+    for name, value in fields.items():
+        setattr(good.columns, name, value)
+    return good
+
+
+@pytest.mark.parametrize(
+    ("broken", "code", "says"),
+    [
+        (
+            columns(offsets=b"\0" * 7),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "offsets is 7 bytes; 2 pieces of 2 tensors need 12",
+        ),
+        (
+            columns(lengths=b"\xff" * 12),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lengths holds a value outside 0 to 2^62",
+        ),
+        (
+            columns(replicated=b"\x02\x01"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "replicated holds a byte other than 0 or 1",
+        ),
+        (columns(width=3), grpc.StatusCode.INVALID_ARGUMENT, "width is 3"),
+        (columns(dims=b"\x41\x01"), grpc.StatusCode.RESOURCE_EXHAUSTED, "65 dimensions"),
+        (columns(counts=b"\0" * 4), grpc.StatusCode.INVALID_ARGUMENT, "8 of counts; got 2 and 4"),
+        (
+            columns(counts=(200_000).to_bytes(4, "little") + b"\0" * 4),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "200000 pieces; the limit is",
+        ),
+    ],
+)
+def test_malformed_columns_are_refused_naming_what_is_wrong(
+    coordinator: InProcessCoordinator, broken: pb.Layout, code: grpc.StatusCode, says: str
+) -> None:
+    m = manifest_of()
+    request = join_request("columns", 0, 1, m)
+    request.layout.CopyFrom(broken)
+    result = run_rank(coordinator.addr, request, m, 5.0)
+    assert result.error is not None, result.verdict
+    assert result.error.code() == code, result.error.details()
+    assert says in (result.error.details() or ""), result.error.details()
+
+
+def test_a_tensor_named_twice_or_pieces_sent_both_ways_are_refused() -> None:
+    twice = columns()
+    twice.columns.tensors[1] = "w"
+    with pytest.raises(InvalidArgument, match="name a tensor twice"):
+        wire.layout_from_pb(twice)
+    both = columns()
+    both.pieces.add(tensor="x", shape=[1], offset=[0], length=[1])
+    with pytest.raises(InvalidArgument, match="both pieces and columns"):
+        wire.layout_from_pb(both)
+
+
+def test_out_of_bounds_pieces_are_named_up_to_a_limit_then_counted() -> None:
+    pieces = tuple(ShardPiece("t0", (64,), (i,), (1,)) for i in range(64)) + tuple(
+        ShardPiece("t0", (64,), (64 + i,), (1,)) for i in range(OUTSIDE_NAMED + 10)
+    )
+    texts = findings({0: Layout({}, {}, pieces=pieces)})
+    assert sum("lies outside the tensor's shape [64]" in t for t in texts) == OUTSIDE_NAMED
+    assert texts[-1].endswith("'t0': out of bounds: 10 more pieces lie outside it"), texts[-1]
