@@ -5,14 +5,24 @@ coordinator CPU seconds and peak RSS, payload bytes on the wire (serialized prot
 HTTP/2 framing), manifests uploaded. With --signatures S the ranks hold S different models in
 S contiguous blocks (a bad image on some nodes), so the verdict is a refusal with S-1 diffs.
 With --relay K the clients are simulated relays: each
-joins K ranks in one JoinGroup call, as `cohortgate relay` does on a node of K ranks (the
-relay's own fan-out to its K local ranks is not simulated: it runs on the node, in parallel).
+joins K ranks in one JoinGroup call, as `cohortgate relay` does on a node of K ranks. The
+relay's own hop (K local ranks -> relay -> coordinator and back) runs on every node in
+parallel; it is measured once, with a real `cohortgate relay` and K real rank clients, and
+added to the relay rows ("+hop" columns).
 
-Peers, by the same harness in the same run: torch's TCPStore (libuv) used as a barrier (N
-clients set their signature and wait; the last to arrive compares), and torchft's Lighthouse
-forming a quorum of N replicas (needs `pip install --no-deps torchft==0.2.0`; its Rust server
+The coordinator runs with its production settings: history on (a SQLite file), metrics on,
+info logs; only the join deadline is raised.
+
+Peers, by the same harness in the same run, with the same grouping: each client stands for
+K ranks (one node) for every system. torch's TCPStore (libuv) as a barrier: a client sets
+its K signatures, adds K to the count and waits; the client that completes the count
+compares every signature. torchft's Lighthouse: a quorum of N/K replica groups, one client
+per group with world_size K (needs `pip install --no-deps torchft==0.2.0`; its Rust server
 runs in its own process through torchft's LighthouseServer, because the torchft package
-itself, and so its `torchft_lighthouse` script, needs opentelemetry, which we do not install).
+itself, and so its `torchft_lighthouse` script, needs opentelemetry, which we do not
+install). What still differs: cohortgate ranks send a signature and a manifest size, are
+asked for manifests when signatures differ, and receive a verdict message; TCPStore
+clients exchange 64-byte strings; Lighthouse clients receive the quorum (every member).
 Prints a table and writes JSON.
 
 Usage: python bench/bench_scale.py [--ranks 256,4096] [--relay 1] [--procs 3]
@@ -186,15 +196,12 @@ def run_cohortgate(
     n: int, procs: int, entries: int, signatures: int, relay: int = 1
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
+        # Production settings: history (SQLite) and metrics on, info logs (to /dev/null).
         flags = [
             "--metrics-listen",
-            "off",
+            f"127.0.0.1:{free_port()}",
             "--history",
-            "off",
-            "--log-level",
-            "warning",
-            "--log-format",
-            "json",
+            str(Path(tmp) / "history.sqlite"),
             "--join-deadline",
             "600",
         ]
@@ -236,7 +243,67 @@ def run_cohortgate(
     }
 
 
-# -- peers: one thread per rank, N ranks over a few processes ---------------------------------
+def measure_hop(size: int, repeats: int = 15) -> dict[str, float]:
+    """What a relay adds: `size` rank clients form a cohort of `size` through a real
+    `cohortgate relay` and directly, alternately; medians of first join -> last verdict."""
+    import grpc
+
+    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from coordinator.codec import wire
+
+    m = manifest_for(20, 0)
+
+    async def cohort(addr: str, job: str) -> float:
+        async with grpc.aio.insecure_channel(addr) as channel:
+            await channel.channel_ready()
+            stub = pb_grpc.CohortServiceStub(channel)
+
+            async def rank(r: int) -> None:
+                request = _join_request(job, r, size, m)
+                async for event in stub.Join(request, timeout=60):
+                    kind = event.WhichOneof("event")
+                    if kind == "manifest_request":
+                        up = wire.manifest_answer(request, event.manifest_request.round, m)
+                        await stub.UploadManifestChunks(wire.upload_chunks(up), timeout=60)
+                    elif kind == "verdict":
+                        return
+
+            start = time.perf_counter()
+            await asyncio.gather(*(rank(r) for r in range(size)))
+            return time.perf_counter() - start
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server, port = spawn(
+            Path(tmp) / "port",
+            ["--metrics-listen", "off", "--history", "off"],
+            stdout=subprocess.DEVNULL,
+            new_session=True,
+        )
+        relay, relay_port = spawn(
+            Path(tmp) / "relay-port",
+            ["--upstream", f"127.0.0.1:{port}", "--local-ranks", str(size)],
+            stdout=subprocess.DEVNULL,
+            new_session=True,
+            command="relay",
+        )
+        try:
+            direct, relayed = [], []
+            for i in range(repeats):
+                direct.append(asyncio.run(cohort(f"127.0.0.1:{port}", f"direct-{i}")))
+                relayed.append(asyncio.run(cohort(f"127.0.0.1:{relay_port}", f"relay-{i}")))
+        finally:
+            for proc in (relay, server):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {
+        "ranks": size,
+        "direct_s_median": statistics.median(direct),
+        "relayed_s_median": statistics.median(relayed),
+        "hop_s": statistics.median(relayed) - statistics.median(direct),
+    }
+
+
+# -- peers: one thread per client, over a few processes ---------------------------------------
 def _threads(
     ranks: list[int], clients: list[Any], body: Any, ready: Any, go: Any, out: Any
 ) -> None:
@@ -285,13 +352,15 @@ def _workers(target: Any, arg_lists: list[tuple[Any, ...]]) -> list[dict[str, An
     return results
 
 
-def _drive(system: str, n: int, procs: int, target: Any, *args: Any) -> dict[str, Any]:
-    """target(*args, share, ready, go, out) in `procs` processes; the timings of the run."""
-    results = _workers(target, [(*args, list(range(i, n, procs))) for i in range(procs)])
+def _drive(system: str, n: int, procs: int, size: int, target: Any, *args: Any) -> dict[str, Any]:
+    """target(*args, share, ready, go, out) in `procs` processes, a client per `size` ranks
+    (`share`: the first rank of each of its groups); the timings of the run."""
+    firsts = list(range(0, n, size))
+    results = _workers(target, [(*args, firsts[i::procs]) for i in range(procs)])
     first = min(r["first_sent"] for r in results)
     done = max(r["last_verdict"] for r in results)
     return {
-        "system": system,
+        "system": system if size == 1 else f"{system}/{size}",
         "ranks": n,
         "first_join_to_done_s": done - first,
         "last_join_to_done_s": done - max(r["last_sent"] for r in results),
@@ -299,7 +368,9 @@ def _drive(system: str, n: int, procs: int, target: Any, *args: Any) -> dict[str
 
 
 # -- TCPStore barrier ------------------------------------------------------------------------
-def _store_proc(port: int, world: int, ranks: list[int], ready: Any, go: Any, out: Any) -> None:
+def _store_proc(
+    port: int, world: int, size: int, ranks: list[int], ready: Any, go: Any, out: Any
+) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -318,9 +389,12 @@ def _store_proc(port: int, world: int, ranks: list[int], ready: Any, go: Any, ou
     with ThreadPoolExecutor(64) as pool:
         stores = list(pool.map(connect, ranks))
 
-    def barrier(r: int, store: Any) -> None:
-        store.set(f"sig/{r}", "a" * 64)
-        if store.add("joined", 1) == world:  # the last to arrive compares every signature
+    def barrier(first: int, store: Any) -> None:
+        # One client for a node's `size` ranks: its signatures in one call, the count by
+        # `size`; the client completing the count compares every signature.
+        mine = range(first, min(first + size, world))
+        store.multi_set([f"sig/{r}" for r in mine], ["a" * 64] * len(mine))
+        if store.add("joined", len(mine)) == world:
             sigs = store.multi_get([f"sig/{i}" for i in range(world)])
             store.set("verdict", "formed" if len(set(sigs)) == 1 else "refused")
         store.wait(["verdict"])
@@ -329,7 +403,7 @@ def _store_proc(port: int, world: int, ranks: list[int], ready: Any, go: Any, ou
     _threads(ranks, stores, barrier, ready, go, out)
 
 
-def run_tcpstore(n: int, procs: int) -> dict[str, Any]:
+def run_tcpstore(n: int, procs: int, size: int) -> dict[str, Any]:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -345,7 +419,7 @@ def run_tcpstore(n: int, procs: int) -> dict[str, Any]:
         wait_for_workers=False,
     )
     try:
-        return _drive("tcpstore", n, procs, _store_proc, port, n)
+        return _drive("tcpstore", n, procs, size, _store_proc, port, n, size)
     finally:
         del master
 
@@ -368,11 +442,11 @@ def _torchft() -> Any:
     return None
 
 
-def _lighthouse_server(n: int, port_file: str) -> None:
+def _lighthouse_server(replicas: int, port_file: str) -> None:
     tft = _torchft()
     server = tft.LighthouseServer(
         bind="127.0.0.1:0",
-        min_replicas=n,
+        min_replicas=replicas,
         join_timeout_ms=600_000,
         quorum_tick_ms=10,
         heartbeat_timeout_ms=600_000,
@@ -381,7 +455,9 @@ def _lighthouse_server(n: int, port_file: str) -> None:
     threading.Event().wait()
 
 
-def _lighthouse_proc(port: int, ranks: list[int], ready: Any, go: Any, out: Any) -> None:
+def _lighthouse_proc(
+    port: int, world: int, size: int, ranks: list[int], ready: Any, go: Any, out: Any
+) -> None:
     from datetime import timedelta
 
     tft = _torchft()
@@ -393,23 +469,29 @@ def _lighthouse_proc(port: int, ranks: list[int], ready: Any, go: Any, out: Any)
             )
         )
 
-    def quorum(r: int, client: Any) -> None:
-        client.quorum(replica_id=f"replica{r}", timeout=timedelta(seconds=600), world_size=1)
+    def quorum(first: int, client: Any) -> None:
+        # one replica group per node of `size` ranks
+        size_here = min(size, world - first)
+        client.quorum(
+            replica_id=f"replica{first}", timeout=timedelta(seconds=600), world_size=size_here
+        )
 
     _threads(ranks, clients, quorum, ready, go, out)
 
 
-def run_lighthouse(n: int, procs: int) -> dict[str, Any]:
+def run_lighthouse(n: int, procs: int, size: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        server = ctx.Process(target=_lighthouse_server, args=(n, str(port_file)))
+        replicas = len(range(0, n, size))
+        server = ctx.Process(target=_lighthouse_server, args=(replicas, str(port_file)))
         server.start()
         while not (port_file.exists() and port_file.read_text()):
             time.sleep(0.05)
         try:
             cpu0, _ = _proc_cpu_rss(server.pid or 0)
-            row = _drive("lighthouse", n, procs, _lighthouse_proc, int(port_file.read_text()))
+            port = int(port_file.read_text())
+            row = _drive("lighthouse", n, procs, size, _lighthouse_proc, port, n, size)
             cpu1, hwm = _proc_cpu_rss(server.pid or 0)
         finally:
             server.kill()
@@ -433,7 +515,7 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
+def _print_table(rows: list[dict[str, Any]], hop: dict[str, float] | None) -> None:
     print(
         f"{'system':<20} {'ranks':>7} {'first->done':>12} {'last->done':>11} {'decided->done':>14} "
         f"{'server CPU':>10} {'peak RSS':>9} {'bytes':>12} {'uploads':>8}  outcomes"
@@ -449,13 +531,22 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         if "payload_bytes" in r:
             line += f"{r['payload_bytes']:>12} {r['manifests_uploaded']:>8}  {r['outcomes']}"
         print(line)
+    if hop:
+        print(
+            f"relay hop, measured: {hop['ranks']} ranks form in "
+            f"{hop['relayed_s_median'] * 1e3:.1f} ms through a real relay, "
+            f"{hop['direct_s_median'] * 1e3:.1f} ms directly: +{hop['hop_s'] * 1e3:.1f} ms, "
+            "added to cohortgate's times in the ratios below (+hop)"
+        )
     ours = {r["ranks"]: r for r in rows if r["system"].startswith("cohortgate")}
+    extra = hop["hop_s"] if hop else 0.0
     for r in rows:
-        if r["system"] in ("tcpstore", "lighthouse"):
-            ratio = ours[r["ranks"]]["first_join_to_done_s"] / r["first_join_to_done_s"]
+        if r["system"].split("/")[0] in ("tcpstore", "lighthouse"):
+            mine = ours[r["ranks"]]["first_join_to_done_s"] + extra
             print(
-                f"{r['ranks']} ranks: cohortgate / {r['system']} (first join to done, medians) "
-                f"= {ratio:.2f}"
+                f"{r['ranks']} ranks: cohortgate{'+hop' if hop else ''} / {r['system']} "
+                f"(first join to done, medians, same grouping) = "
+                f"{mine / r['first_join_to_done_s']:.2f}"
             )
 
 
@@ -489,11 +580,12 @@ def main() -> int:
                 run_cohortgate(n, args.procs, args.entries, args.signatures, args.relay)
             )
             if "tcpstore" in peers:
-                runs["tcpstore"].append(run_tcpstore(n, args.procs))
+                runs["tcpstore"].append(run_tcpstore(n, args.procs, args.relay))
             if "lighthouse" in peers:
-                runs["lighthouse"].append(run_lighthouse(n, args.procs))
+                runs["lighthouse"].append(run_lighthouse(n, args.procs, args.relay))
         rows += [_medians(results) for results in runs.values()]
-    _print_table(rows)
+    hop = measure_hop(args.relay) if args.relay > 1 else None
+    _print_table(rows, hop)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -502,6 +594,7 @@ def main() -> int:
                 "cpus": os.cpu_count(),
                 "argv": sys.argv[1:],
                 "rows": rows,
+                "relay_hop": hop,
             },
             indent=1,
         )
