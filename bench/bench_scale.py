@@ -26,7 +26,8 @@ clients exchange 64-byte strings; Lighthouse clients receive the quorum (every m
 Prints a table and writes JSON.
 
 Usage: python bench/bench_scale.py [--ranks 256,4096] [--relay 1] [--procs 3]
-       [--signatures 1] [--entries 200] [--peers tcpstore,lighthouse] [--repeats 3] [--json PATH]
+       [--signatures 1] [--entries 200] [--peers tcpstore,lighthouse] [--repeats 3] [--bare]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -193,18 +194,21 @@ def _groups(n: int, size: int, procs: int) -> list[list[tuple[int, list[int]]]]:
 
 
 def run_cohortgate(
-    n: int, procs: int, entries: int, signatures: int, relay: int = 1
+    n: int, procs: int, entries: int, signatures: int, relay: int = 1, bare: bool = False
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        # Production settings: history (SQLite) and metrics on, info logs (to /dev/null).
-        flags = [
-            "--metrics-listen",
-            f"127.0.0.1:{free_port()}",
-            "--history",
-            str(Path(tmp) / "history.sqlite"),
-            "--join-deadline",
-            "600",
-        ]
+        # Production settings: history (SQLite) and metrics on, info logs (to /dev/null);
+        # --bare turns them off, to measure what they cost.
+        flags = ["--join-deadline", "600"] + (
+            ["--metrics-listen", "off", "--history", "off", "--log-level", "warning"]
+            if bare
+            else [
+                "--metrics-listen",
+                f"127.0.0.1:{free_port()}",
+                "--history",
+                str(Path(tmp) / "history.sqlite"),
+            ]
+        )
         server, port = spawn(Path(tmp) / "port", flags, stdout=subprocess.DEVNULL, new_session=True)
         try:
             addr = f"127.0.0.1:{port}"
@@ -228,7 +232,8 @@ def run_cohortgate(
         for k, v in r["outcomes"].items():
             outcomes[k] = outcomes.get(k, 0) + v
     return {
-        "system": "cohortgate" if relay == 1 else f"cohortgate/relay{relay}",
+        "system": ("cohortgate" if relay == 1 else f"cohortgate/relay{relay}")
+        + ("/bare" if bare else ""),
         "ranks": n,
         "first_join_to_done_s": done - first,
         "last_join_to_done_s": done - last_join,
@@ -243,35 +248,54 @@ def run_cohortgate(
     }
 
 
-def measure_hop(size: int, repeats: int = 15) -> dict[str, float]:
-    """What a relay adds: `size` rank clients form a cohort of `size` through a real
-    `cohortgate relay` and directly, alternately; medians of first join -> last verdict."""
+async def _hop_cohort(addrs: list[str], job: str, size: int) -> float:
+    """`size` ranks (dealt in order over `addrs`) form one cohort: first join -> last
+    verdict, answering manifest requests as the agent does."""
     import grpc
 
     from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
     from coordinator.codec import wire
 
     m = manifest_for(20, 0)
+    channels = [grpc.aio.insecure_channel(a) for a in addrs]
+    stubs = [pb_grpc.CohortServiceStub(c) for c in channels]
 
-    async def cohort(addr: str, job: str) -> float:
-        async with grpc.aio.insecure_channel(addr) as channel:
+    async def rank(r: int) -> None:
+        stub = stubs[r * len(stubs) // size]
+        request = _join_request(job, r, size, m)
+        async for event in stub.Join(request, timeout=60):
+            kind = event.WhichOneof("event")
+            if kind == "manifest_request":
+                up = wire.manifest_answer(request, event.manifest_request.round, m)
+                await stub.UploadManifestChunks(wire.upload_chunks(up), timeout=60)
+            elif kind == "verdict":
+                return
+
+    try:
+        for channel in channels:
             await channel.channel_ready()
-            stub = pb_grpc.CohortServiceStub(channel)
+        start = time.perf_counter()
+        await asyncio.gather(*(rank(r) for r in range(size)))
+        return time.perf_counter() - start
+    finally:
+        for channel in channels:
+            await channel.close()
 
-            async def rank(r: int) -> None:
-                request = _join_request(job, r, size, m)
-                async for event in stub.Join(request, timeout=60):
-                    kind = event.WhichOneof("event")
-                    if kind == "manifest_request":
-                        up = wire.manifest_answer(request, event.manifest_request.round, m)
-                        await stub.UploadManifestChunks(wire.upload_chunks(up), timeout=60)
-                    elif kind == "verdict":
-                        return
 
-            start = time.perf_counter()
-            await asyncio.gather(*(rank(r) for r in range(size)))
-            return time.perf_counter() - start
+def _relay(tmp: str, name: str, upstream: int, ranks: int) -> tuple[subprocess.Popen[bytes], int]:
+    return spawn(
+        Path(tmp) / f"{name}-port",
+        ["--upstream", f"127.0.0.1:{upstream}", "--local-ranks", str(ranks)],
+        stdout=subprocess.DEVNULL,
+        new_session=True,
+        command="relay",
+    )
 
+
+def measure_hop(size: int, node: int = 0, repeats: int = 15) -> dict[str, float]:
+    """What relays add: `size` rank clients form a cohort of `size` through a real
+    `cohortgate relay` (with `node`, through node relays of `node` ranks under it: relays
+    of relays) and directly, alternately; medians of first join -> last verdict."""
     with tempfile.TemporaryDirectory() as tmp:
         server, port = spawn(
             Path(tmp) / "port",
@@ -279,24 +303,23 @@ def measure_hop(size: int, repeats: int = 15) -> dict[str, float]:
             stdout=subprocess.DEVNULL,
             new_session=True,
         )
-        relay, relay_port = spawn(
-            Path(tmp) / "relay-port",
-            ["--upstream", f"127.0.0.1:{port}", "--local-ranks", str(size)],
-            stdout=subprocess.DEVNULL,
-            new_session=True,
-            command="relay",
-        )
+        relay, relay_port = _relay(tmp, "relay", port, size)
+        nodes = [
+            _relay(tmp, f"node{i}", relay_port, node) for i in range(size // node if node else 0)
+        ]
+        entry = [f"127.0.0.1:{p}" for _, p in nodes] or [f"127.0.0.1:{relay_port}"]
         try:
             direct, relayed = [], []
             for i in range(repeats):
-                direct.append(asyncio.run(cohort(f"127.0.0.1:{port}", f"direct-{i}")))
-                relayed.append(asyncio.run(cohort(f"127.0.0.1:{relay_port}", f"relay-{i}")))
+                direct.append(asyncio.run(_hop_cohort([f"127.0.0.1:{port}"], f"direct-{i}", size)))
+                relayed.append(asyncio.run(_hop_cohort(entry, f"relay-{i}", size)))
         finally:
-            for proc in (relay, server):
+            for proc in [*(p for p, _ in nodes), relay, server]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return {
         "ranks": size,
+        "node_relays_of": node,
         "direct_s_median": statistics.median(direct),
         "relayed_s_median": statistics.median(relayed),
         "hop_s": statistics.median(relayed) - statistics.median(direct),
@@ -534,11 +557,17 @@ def _print_table(rows: list[dict[str, Any]], hop: dict[str, float] | None) -> No
     if hop:
         print(
             f"relay hop, measured: {hop['ranks']} ranks form in "
-            f"{hop['relayed_s_median'] * 1e3:.1f} ms through a real relay, "
+            f"{hop['relayed_s_median'] * 1e3:.1f} ms through a real relay"
+            + (f" over node relays of {hop['node_relays_of']}" if hop["node_relays_of"] else "")
+            + ", "
             f"{hop['direct_s_median'] * 1e3:.1f} ms directly: +{hop['hop_s'] * 1e3:.1f} ms, "
             "added to cohortgate's times in the ratios below (+hop)"
         )
-    ours = {r["ranks"]: r for r in rows if r["system"].startswith("cohortgate")}
+    ours = {
+        r["ranks"]: r
+        for r in rows
+        if r["system"].startswith("cohortgate") and not r["system"].endswith("/bare")
+    }
     extra = hop["hop_s"] if hop else 0.0
     for r in rows:
         if r["system"].split("/")[0] in ("tcpstore", "lighthouse"):
@@ -554,6 +583,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,4096")
     parser.add_argument("--relay", type=int, default=1, help="ranks per simulated relay (1: none)")
+    parser.add_argument(
+        "--node",
+        type=int,
+        default=0,
+        help="relays of relays: the --relay K clients are rack relays over node relays of "
+        "this many ranks (the hop is measured through both levels)",
+    )
     parser.add_argument("--procs", type=int, default=3)
     parser.add_argument("--signatures", type=int, default=1)
     parser.add_argument("--entries", type=int, default=200)
@@ -561,6 +597,11 @@ def main() -> int:
         "--peers", default="tcpstore,lighthouse", help="comma list: tcpstore, lighthouse, none"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="also run the coordinator without history, metrics and info logs (their cost)",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args()
     # c10d looks up the name of every client socket for its logs; with no DNS server
@@ -579,12 +620,16 @@ def main() -> int:
             runs["cohortgate"].append(
                 run_cohortgate(n, args.procs, args.entries, args.signatures, args.relay)
             )
+            if args.bare:
+                runs.setdefault("bare", []).append(
+                    run_cohortgate(n, args.procs, args.entries, args.signatures, args.relay, True)
+                )
             if "tcpstore" in peers:
                 runs["tcpstore"].append(run_tcpstore(n, args.procs, args.relay))
             if "lighthouse" in peers:
                 runs["lighthouse"].append(run_lighthouse(n, args.procs, args.relay))
         rows += [_medians(results) for results in runs.values()]
-    hop = measure_hop(args.relay) if args.relay > 1 else None
+    hop = measure_hop(args.relay, args.node) if args.relay > 1 else None
     _print_table(rows, hop)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(

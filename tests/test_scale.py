@@ -19,9 +19,11 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.cli.spawn import spawn
 from coordinator.codec import wire
+from coordinator.contract.manifest import Manifest
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
+    RankResult,
     coordinator_process,
     join_request,
     kill_group,
@@ -280,6 +282,75 @@ def test_a_rank_that_leaves_a_relayed_group_can_come_back(relay: tuple[str, str,
         assert r.verdict is not None and r.verdict.outcome == FORMED
     assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
     assert coordinator
+
+
+def _through(nodes: list[str], job: str, manifests: dict[int, Manifest]) -> list[RankResult]:
+    """Ranks 0-1 through the first node relay, 2-3 through the second."""
+    with ThreadPoolExecutor(len(manifests)) as pool:
+        return list(
+            pool.map(
+                lambda r: run_rank(
+                    nodes[r // 2], join_request(job, r, len(manifests), manifests[r]), manifests[r]
+                ),
+                sorted(manifests),
+            )
+        )
+
+
+def test_relays_of_relays_join_a_rack_as_one_call(tmp_path: Path) -> None:
+    """Two node relays (2 ranks each) below a rack relay (4 ranks): the coordinator sees one
+    group of 4; every rank gets the verdict; a refusal's manifest requests and uploads
+    cross both levels; a group the relay cannot take is refused naming why."""
+    with coordinator_process(
+        "--join-deadline", "30", "--log-level", "debug", "--progress-interval", "0.2", tmp=tmp_path
+    ) as (addr, log):
+        procs = []
+        try:
+            rack, rack_port = spawn(
+                tmp_path / "rack-port",
+                ["--upstream", addr, "--local-ranks", "4", "--window", "20"],
+                stdout=open(tmp_path / "rack.log", "wb"),  # noqa: SIM115 (closed with it)
+                new_session=True,
+                command="relay",
+            )
+            procs.append(rack)
+            nodes = []
+            for i in range(2):
+                proc, port = spawn(
+                    tmp_path / f"node{i}-port",
+                    ["--upstream", f"127.0.0.1:{rack_port}", "--local-ranks", "2"],
+                    stdout=open(tmp_path / f"node{i}.log", "wb"),  # noqa: SIM115
+                    new_session=True,
+                    command="relay",
+                )
+                procs.append(proc)
+                nodes.append(f"127.0.0.1:{port}")
+            m = manifest_of()
+            bad = {r: manifest_of(dtype="bfloat16") if r == 3 else m for r in range(4)}
+            for job, manifests in (("rack", dict.fromkeys(range(4), m)), ("rack-refused", bad)):
+                results = _through(nodes, job, manifests)
+                for r in results:
+                    assert r.error is None, r.error
+                    assert r.verdict is not None
+                assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+            assert all(r.verdict and r.verdict.outcome == REFUSED for r in results)
+            assert sum(r.manifest_requests for r in results) == 2  # one per class, 2 hops down
+            report = results[0].verdict.refusal.report if results[0].verdict else ""
+            assert "1 rank [3]" in report and "bfloat16" in report, report
+            assert joined_groups(log) == [4, 4, 4, 4, 4, 4, 4, 4], joined_groups(log)
+            mixed = pb.JoinGroupRequest(
+                members=[join_request("a", 0, 2, m), join_request("b", 1, 2, m)]
+            )
+            with (
+                grpc.insecure_channel(f"127.0.0.1:{rack_port}") as channel,
+                pytest.raises(grpc.RpcError) as err,
+            ):
+                list(pb_grpc.CohortServiceStub(channel).JoinGroup(mixed, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "of 2 jobs" in (err.value.details() or ""), err.value.details()
+        finally:
+            for proc in procs:
+                kill_group(proc)
 
 
 @pytest.mark.e2e

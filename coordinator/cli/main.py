@@ -105,10 +105,17 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="run a node's relay: its ranks join here, the relay joins them upstream as one",
         description="Run a relay on a node. The node's ranks join it (COHORTGATE_ADDR=its "
         "address); it joins them to the coordinator as one group, so the coordinator holds "
-        "one call per node instead of one per rank. Upstream TLS and token come from "
-        "COHORTGATE_TLS_* / the ranks' own tokens; the relay itself listens on loopback.",
+        "one call per node instead of one per rank. Relays also take the groups of relays "
+        "below them: point node relays' --upstream at a rack relay (its --local-ranks: every "
+        "rank below it) and the coordinator holds one call per rack. Upstream TLS and token "
+        "come from COHORTGATE_TLS_* / the ranks' own tokens; the relay itself listens on "
+        "loopback unless told otherwise.",
     )
-    p.add_argument("--upstream", required=True, help="the coordinator, HOST:PORT (required)")
+    p.add_argument(
+        "--upstream",
+        required=True,
+        help="the coordinator (or a rack relay), HOST:PORT (required)",
+    )
     p.add_argument(
         "--listen", default="127.0.0.1:29471", help="HOST:PORT (default 127.0.0.1:29471)"
     )
@@ -116,7 +123,8 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--local-ranks",
         type=int,
         default=int(os.environ.get("LOCAL_WORLD_SIZE", "8")),
-        help="send the group upstream once this many ranks joined (default $LOCAL_WORLD_SIZE or 8)",
+        help="send the group upstream once this many ranks joined, directly or through relays "
+        "below (default $LOCAL_WORLD_SIZE or 8)",
     )
     p.add_argument(
         "--window",

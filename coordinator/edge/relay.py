@@ -3,6 +3,11 @@ coordinator (same CohortService); the relay joins them upstream as one JoinGroup
 hands every rank the coordinator's events. The coordinator then holds one call, one wake-up
 and one verdict message per node instead of one per rank.
 
+Relays also take JoinGroup calls from relays below them: a rack relay (its --local-ranks
+counting every rank below it) joins its nodes' groups upstream as one call, so the
+coordinator's per-call cost is paid once per rack. Each lower relay gets its group's events
+once (progress unfiltered: it filters per rank).
+
 Semantics the ranks see are the coordinator's: the same verdict, progress (the first event
 always, the rest only to ranks that are not quiet), manifest requests to the rank named,
 and the upstream status code when the coordinator refuses the group. A rank that leaves
@@ -49,8 +54,11 @@ _GONE = _Status(grpc.StatusCode.CANCELLED, "the rank's call ended")
 @dataclass
 class _Rank:
     request: pb.JoinRequest
+    # Where its events go: its own call's queue, or (relayed) its lower relay's call's
+    # queue, shared by every rank of that group.
     events: asyncio.Queue[pb.JoinEvent | _Status] = field(default_factory=asyncio.Queue)
     told: bool = False  # has had its first progress event
+    relayed: bool = False  # joined by a relay below: it filters progress per rank itself
 
 
 @dataclass
@@ -122,38 +130,44 @@ class Relay(pb_grpc.CohortServiceServicer):
         self._sent: dict[GroupKey, int] = {}  # ranks sent upstream per key, until a verdict
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def Join(
+    def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent]:
+        return self._joined([request], context, relayed=False)
+
+    async def _joined(
+        self, requests: list[pb.JoinRequest], context: grpc.aio.ServicerContext, *, relayed: bool
+    ) -> AsyncIterator[pb.JoinEvent]:
+        """Ranks of one call (a rank's Join, or a lower relay's JoinGroup) into the pending
+        group of their job; the call's events until the verdict."""
         auth = _auth(context)
-        key: GroupKey = (
-            request.job_id,
-            request.world_size,
-            request.round,
-            auth[0][1] if auth else "",
-        )
+        first = requests[0]
+        key: GroupKey = (first.job_id, first.world_size, first.round, auth[0][1] if auth else "")
         group = self._pending.get(key)
-        size = request.ByteSize() + 8  # its JoinGroupRequest.members field's tag and length
+        # each member's size, plus its JoinGroupRequest.members field's tag and length
+        size = sum(r.ByteSize() + 8 for r in requests)
         if group is not None and (
-            request.rank in group.ranks  # the same rank again (a restarted process)
+            any(r.rank in group.ranks for r in requests)  # a rank again (a restarted process)
             or group.bytes + size > self.max_message_bytes  # the coordinator's message limit
         ):
-            self._send(group)  # goes as it is; this rank starts the next group
+            self._send(group)  # goes as it is; these ranks start the next group
             group = None
         if group is None:
             group = self._pending[key] = _Group(key, auth)
             group.timer = asyncio.get_running_loop().call_later(self.window_s, self._send, group)
-        rank = group.ranks[request.rank] = _Rank(request)
+        events: asyncio.Queue[pb.JoinEvent | _Status] = asyncio.Queue()
+        mine = {r.rank: _Rank(r, events, relayed=relayed) for r in requests}
+        group.ranks.update(mine)
         group.bytes += size
         # grpc.aio does not always cancel a handler whose client went away; its context's
         # done callback always runs.
-        context.add_done_callback(lambda _: rank.events.put_nowait(_GONE))
+        context.add_done_callback(lambda _: events.put_nowait(_GONE))
         if len(group.ranks) + self._sent.get(key, 0) >= self.local_ranks:
             self._send(group)
         decided = False
         try:
             while True:
-                item = await rank.events.get()
+                item = await events.get()
                 if item is _GONE:
                     return
                 if isinstance(item, _Status):
@@ -165,7 +179,8 @@ class Relay(pb_grpc.CohortServiceServicer):
                     return
         finally:
             if not decided:
-                self._left(group, request.rank, rank)
+                for rank_id, rank in mine.items():
+                    self._left(group, rank_id, rank)
 
     async def UploadManifest(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
         self, data: bytes, context: grpc.aio.ServicerContext
@@ -202,11 +217,18 @@ class Relay(pb_grpc.CohortServiceServicer):
     async def JoinGroup(
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent]:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "a relay takes ranks' joins, not groups: point relays at the coordinator",
-        )
-        yield pb.JoinEvent()  # pragma: no cover (abort raises)
+        """A lower relay's group (relays of relays): its ranks join this relay's group for
+        their job, and the lower relay gets the events once for all of them."""
+        members = list(request.members)
+        jobs = {(m.job_id, m.world_size, m.round) for m in members}
+        if len(jobs) != 1 or len({m.rank for m in members}) != len(members):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a group joins distinct ranks of one job, world size and round; got "
+                f"{len(members)} members of {len(jobs)} jobs",
+            )
+        async for event in self._joined(members, context, relayed=True):
+            yield event
 
     # -- groups ------------------------------------------------------------------------
     def _send(self, group: _Group) -> None:
@@ -262,8 +284,8 @@ class Relay(pb_grpc.CohortServiceServicer):
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 status = _Status(exc.code(), exc.details() or "")
-            for r in members.values():
-                r.events.put_nowait(status)
+            for events in {id(r.events): r.events for r in members.values()}.values():
+                events.put_nowait(status)
             return
 
     def _dispatch(self, event: pb.JoinEvent, members: dict[int, _Rank]) -> None:
@@ -278,14 +300,17 @@ class Relay(pb_grpc.CohortServiceServicer):
             if asked is not None:
                 asked.events.put_nowait(event)
             return
+        calls: dict[int, asyncio.Queue[pb.JoinEvent | _Status]] = {}
         for r in members.values():
             if kind == "progress":
                 # A re-join after a rank left must land in the same round.
                 r.request.round = event.progress.round
-                if r.told and r.request.quiet:
+                if r.told and r.request.quiet and not r.relayed:
                     continue
                 r.told = True
-            r.events.put_nowait(event)
+            calls[id(r.events)] = r.events  # once per call: a lower relay's group shares one
+        for events in calls.values():
+            events.put_nowait(event)
 
     async def close(self) -> None:
         for task in list(self._tasks):
