@@ -126,6 +126,21 @@ def join_group(
     return events, None
 
 
+def test_a_verdict_lists_64_hosts_a_class_and_counts_the_rest(coord: InProcessCoordinator) -> None:
+    """Every rank receives the verdict: a class spanning 2,048 hosts must not put 22 KB of
+    host names in each of its 16k messages."""
+    m, wide = manifest_of(), manifest_of(width=8)
+    manifests = {r: (wide if r >= 70 else m) for r in range(140)}
+    requests = [join_request("hosts", r, 140, manifests[r], host=f"n{r:03d}") for r in range(140)]
+    events, error = join_group(coord.addr, requests, manifests)
+    assert error is None, error
+    verdict = events[-1].verdict
+    assert verdict.outcome == REFUSED
+    for cls in verdict.refusal.classes:
+        assert cls.host_count == 70 and len(cls.hosts) == 64, (cls.host_count, len(cls.hosts))
+        assert list(cls.hosts) == sorted(cls.hosts)
+
+
 def test_groups_form_with_one_verdict_per_group(coord: InProcessCoordinator) -> None:
     m, wide = manifest_of(), manifest_of(width=8)
     manifests = {r: (wide if r == 6 else m) for r in range(16)}

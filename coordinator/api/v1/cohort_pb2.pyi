@@ -1064,6 +1064,7 @@ class SignatureClass(_message.Message):
     MANIFEST_ENTRIES_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     DIFF_FIELD_NUMBER: _builtins.int
+    HOST_COUNT_FIELD_NUMBER: _builtins.int
     signature: _builtins.bytes
     ranks: _builtins.str
     """compressed ranges: "0-5,7,9-15" """
@@ -1072,8 +1073,12 @@ class SignatureClass(_message.Message):
     manifest_entries: _builtins.int
     group: _builtins.str
     """replica group ("tp=1 pp=0 ..."); empty without a layout"""
+    host_count: _builtins.int
+    """how many hosts the class spans"""
     @_builtins.property
-    def hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """sorted; the first 64 (every rank receives this message)"""
+
     @_builtins.property
     def diff(self) -> Global___ManifestDiff:
         """against the reference class; absent on the reference"""
@@ -1088,10 +1093,11 @@ class SignatureClass(_message.Message):
         manifest_entries: _builtins.int = ...,
         group: _builtins.str = ...,
         diff: Global___ManifestDiff | None = ...,
+        host_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["diff", b"diff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["diff", b"diff", "group", b"group", "hosts", b"hosts", "manifest_entries", b"manifest_entries", "ranks", b"ranks", "reference", b"reference", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diff", b"diff", "group", b"group", "host_count", b"host_count", "hosts", b"hosts", "manifest_entries", b"manifest_entries", "ranks", b"ranks", "reference", b"reference", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
