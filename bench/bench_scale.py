@@ -25,7 +25,8 @@ asked for manifests when signatures differ, and receive a verdict message; TCPSt
 clients exchange 64-byte strings; Lighthouse clients receive the quorum (every member).
 Prints a table and writes JSON.
 
-Usage: python bench/bench_scale.py [--ranks 256,4096] [--relay 1] [--procs 3]
+Usage: python bench/bench_scale.py --quick
+       python bench/bench_scale.py [--ranks 256,4096] [--relay 1] [--node 0] [--procs 3]
        [--signatures 1] [--entries 200] [--peers tcpstore,lighthouse] [--repeats 3] [--bare]
        [--json PATH]
 """
@@ -603,7 +604,14 @@ def main() -> int:
         help="also run the coordinator without history, metrics and info logs (their cost)",
     )
     parser.add_argument("--json", type=Path, default=Path("bench/results/scale.json"))
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="about a minute: 256 and 4,096 ranks, relays of 8, TCPStore, one run each",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.ranks, args.relay, args.peers, args.repeats = "256,4096", 8, "tcpstore", 1
     # c10d looks up the name of every client socket for its logs; with no DNS server
     # reachable (as here) each lookup waits ~0.17 s, so 4096 TCPStore clients took minutes
     # to connect. Inherited by every worker; the timed part does no lookups.
