@@ -18,7 +18,7 @@ from coordinator.contract.layout import Layout, PieceColumns, ShardPiece, layout
 from coordinator.decision.checks.base import Level
 from coordinator.decision.checks.coverage import DETAILED, CoverageCheck
 from coordinator.decision.coverage import OUTSIDE_NAMED
-from coordinator.decision.pieces import LARGE, CohortPieces
+from coordinator.decision.pieces import CONFLICTS_NAMED, LARGE, CohortPieces
 from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_rank
 from tests.test_parity import brute
 from tests.test_parity import layouts as tensor_layouts
@@ -274,3 +274,21 @@ def test_out_of_bounds_pieces_are_named_up_to_a_limit_then_counted() -> None:
     texts = findings({0: Layout({}, {}, pieces=pieces)})
     assert sum("lies outside the tensor's shape [64]" in t for t in texts) == OUTSIDE_NAMED
     assert texts[-1].endswith("'t0': out of bounds: 10 more pieces lie outside it"), texts[-1]
+
+
+def test_shape_conflicts_past_a_limit_are_counted_not_walked() -> None:
+    """A rank giving every one of many tensors another shape: the first are named with every
+    rank's shape, the rest counted (naming each would walk every table per tensor)."""
+    many = CONFLICTS_NAMED + 30
+    layouts = tp_layouts(many, 2)
+    wide = layout(1, tp=2)
+    for i in range(many):
+        wide.split(f"t{i}", (64, 128), 1, 1, 2)
+    wide.replicated("bias", (64,))
+    layouts[1] = Layout(layouts[1].sizes, layouts[1].position, pieces=wide.build().pieces)
+    texts = findings(layouts)
+    assert sum("logical shape: [64, 64] on ranks 0, [64, 128] on ranks 1" in t for t in texts) == (
+        CONFLICTS_NAMED
+    ), texts
+    assert texts[CONFLICTS_NAMED] == "ranks disagree on the logical shapes of 30 more tensors"
+    assert len(texts) == CONFLICTS_NAMED + 1, texts[CONFLICTS_NAMED + 1 :]

@@ -112,6 +112,8 @@ class CohortPieces:
         self.shapes: dict[int, Int64s] = {}  # dims -> (tensors, dims) logical shapes
         self.dims_of = np.full(len(self.names), -1, dtype=np.int64)
         self.conflicts: dict[int, dict[int, tuple[int, ...]]] = {}  # id -> rank -> shape
+        self.conflicted = np.zeros(len(self.names), dtype=bool)
+        self.conflicts_unnamed = 0
         self._shapes(list(tables.values()))
 
     def _tensor_ids(self, tensors: tuple[str, ...]) -> Int64s:
@@ -149,16 +151,22 @@ class CohortPieces:
                 new = known < 0
                 shape[ids[new]] = rows[new]
                 self.dims_of[ids[new]] = d
-        for tensor in np.flatnonzero(bad).tolist():
-            held: dict[int, tuple[int, ...]] = {}
-            for table in tables:
-                at = np.flatnonzero(table.ids == tensor)
-                if len(at):
-                    i = int(at[0])
+        self.conflicted = bad
+        # Every rank's shape, for the first CONFLICTS_NAMED of them (by name); the rest are
+        # counted (a rank declaring 100k tensors all of another shape costs no more).
+        named = sorted(np.flatnonzero(bad).tolist(), key=lambda t: self.names[t])
+        self.conflicts_unnamed = max(0, len(named) - CONFLICTS_NAMED)
+        named = named[:CONFLICTS_NAMED]
+        for table in tables:
+            where = np.full(count, -1, dtype=np.int64)
+            where[table.ids] = np.arange(len(table.ids))
+            for tensor in named:
+                i = int(where[tensor])
+                if i >= 0:
                     start, d = int(table.shape_at[i]), int(table.dims[i])
                     dims = tuple(int(v) for v in table.shapes[start : start + d])
-                    held.update(dict.fromkeys(table.ranks, dims))
-            self.conflicts[tensor] = dict(sorted(held.items()))
+                    self.conflicts.setdefault(tensor, {}).update(dict.fromkeys(table.ranks, dims))
+        self.conflicts = {t: dict(sorted(self.conflicts[t].items())) for t in named}
 
     def held_by(self, replica: int) -> Bools:
         """Which tensors (by id) some rank of `replica` holds a piece of."""
@@ -177,9 +185,7 @@ class CohortPieces:
         for (rep, dims), held in self.rows.items():
             if rep != replica:
                 continue
-            rows = held
-            if self.conflicts:
-                rows = held.take(~np.isin(held.tensor, list(self.conflicts)))
+            rows = held.take(~self.conflicted[held.tensor]) if self.conflicts else held
             counts = np.bincount(rows.tensor, minlength=len(self.names))
             big = np.flatnonzero(counts >= self.large)
             if len(big):
@@ -196,6 +202,8 @@ class CohortPieces:
 
 # From this many pieces a tensor is checked alone (decision.coverage.check_columns).
 LARGE = 4096
+# Tensors whose shapes ranks disagree on, named with every rank's shape; past this, counted.
+CONFLICTS_NAMED = 20
 
 
 def _split(rows: Rows, ids: Int64s) -> dict[int, Rows]:

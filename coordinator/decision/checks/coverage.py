@@ -79,6 +79,16 @@ class CoverageCheck(Check):
                 {r: str(list(shape)) for r, shape in shapes.items()}
             )
             out.append(Finding(self.name, level, text, tuple(shapes)))
+        if table.conflicts_unnamed:
+            out.append(
+                Finding(
+                    self.name,
+                    level,
+                    f"ranks disagree on the logical shapes of {table.conflicts_unnamed} more "
+                    "tensors",
+                    (),
+                )
+            )
         return out
 
     def _tiling(self, table: CohortPieces, dp: int, level: Level) -> list[Finding]:
