@@ -108,7 +108,10 @@ class CohortPieces:
             self.present.setdefault(replica, []).append(table.ids[counts > 0])
             for rows in _rows(rank, cols, table, counts):
                 parts.setdefault((replica, rows.dims), []).append(rows)
-        self.rows = {key: _concat(key[1], held) for key, held in parts.items()}
+        # replica -> number of dimensions -> its pieces
+        self.rows: dict[int, dict[int, Rows]] = {}
+        for (replica, ndims), held in parts.items():
+            self.rows.setdefault(replica, {})[ndims] = _concat(ndims, held)
         self.shapes: dict[int, Int64s] = {}  # dims -> (tensors, dims) logical shapes
         self.dims_of = np.full(len(self.names), -1, dtype=np.int64)
         self.conflicts: dict[int, dict[int, tuple[int, ...]]] = {}  # id -> rank -> shape
@@ -182,9 +185,7 @@ class CohortPieces:
         Tensors whose shapes conflict are left out (reported as such)."""
         large: dict[int, Rows] = {}
         failing: set[int] = set()
-        for (rep, dims), held in self.rows.items():
-            if rep != replica:
-                continue
+        for dims, held in self.rows.get(replica, {}).items():
             rows = held.take(~self.conflicted[held.tensor]) if self.conflicts else held
             counts = np.bincount(rows.tensor, minlength=len(self.names))
             big = np.flatnonzero(counts >= self.large)
@@ -196,7 +197,7 @@ class CohortPieces:
         return {t: large[t] for t in order}, sorted(failing, key=lambda t: self.names[t])
 
     def pieces_of(self, replica: int, tensor: int) -> Rows:
-        rows = self.rows[(replica, int(self.dims_of[tensor]))]
+        rows = self.rows[replica][int(self.dims_of[tensor])]
         return rows.take(np.flatnonzero(rows.tensor == tensor))
 
 
