@@ -312,10 +312,10 @@ def _through(nodes: list[str], job: str, manifests: dict[int, Manifest]) -> list
         )
 
 
-def test_relays_of_relays_join_a_rack_as_one_call(tmp_path: Path) -> None:
-    """Two node relays (2 ranks each) below a rack relay (4 ranks): the coordinator sees one
-    group of 4; every rank gets the verdict; a refusal's manifest requests and uploads
-    cross both levels; a group the relay cannot take is refused naming why."""
+@pytest.fixture
+def rack(tmp_path: Path) -> Iterator[tuple[list[str], int, Path]]:
+    """A coordinator, a rack relay (4 ranks) and two node relays (2 ranks each) under it:
+    (the node relays' addresses, the rack relay's port, the coordinator's log)."""
     with coordinator_process(
         "--join-deadline", "30", "--log-level", "debug", "--progress-interval", "0.2", tmp=tmp_path
     ) as (addr, log):
@@ -340,32 +340,68 @@ def test_relays_of_relays_join_a_rack_as_one_call(tmp_path: Path) -> None:
                 )
                 procs.append(proc)
                 nodes.append(f"127.0.0.1:{port}")
-            m = manifest_of()
-            bad = {r: manifest_of(dtype="bfloat16") if r == 3 else m for r in range(4)}
-            for job, manifests in (("rack", dict.fromkeys(range(4), m)), ("rack-refused", bad)):
-                results = _through(nodes, job, manifests)
-                for r in results:
-                    assert r.error is None, r.error
-                    assert r.verdict is not None
-                assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
-            assert all(r.verdict and r.verdict.outcome == REFUSED for r in results)
-            assert sum(r.manifest_requests for r in results) == 2  # one per class, 2 hops down
-            report = results[0].verdict.refusal.report if results[0].verdict else ""
-            assert "1 rank [3]" in report and "bfloat16" in report, report
-            assert joined_groups(log) == [4, 4, 4, 4, 4, 4, 4, 4], joined_groups(log)
-            mixed = pb.JoinGroupRequest(
-                members=[join_request("a", 0, 2, m), join_request("b", 1, 2, m)]
-            )
-            with (
-                grpc.insecure_channel(f"127.0.0.1:{rack_port}") as channel,
-                pytest.raises(grpc.RpcError) as err,
-            ):
-                list(pb_grpc.CohortServiceStub(channel).JoinGroup(mixed, timeout=10))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "of 2 jobs" in (err.value.details() or ""), err.value.details()
+            yield nodes, rack_port, log
         finally:
             for proc in procs:
                 kill_group(proc)
+
+
+def test_relays_of_relays_join_a_rack_as_one_call(rack: tuple[list[str], int, Path]) -> None:
+    """The coordinator sees one group of 4; every rank gets the verdict; a refusal's
+    manifest requests and uploads cross both levels; a group the relay cannot take is
+    refused naming why."""
+    nodes, rack_port, log = rack
+    m = manifest_of()
+    bad = {r: manifest_of(dtype="bfloat16") if r == 3 else m for r in range(4)}
+    for job, manifests in (("rack", dict.fromkeys(range(4), m)), ("rack-refused", bad)):
+        results = _through(nodes, job, manifests)
+        for r in results:
+            assert r.error is None, r.error
+            assert r.verdict is not None
+        assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    assert all(r.verdict and r.verdict.outcome == REFUSED for r in results)
+    assert sum(r.manifest_requests for r in results) == 2  # one per class, 2 hops down
+    report = results[0].verdict.refusal.report if results[0].verdict else ""
+    assert "1 rank [3]" in report and "bfloat16" in report, report
+    assert joined_groups(log) == [4, 4, 4, 4, 4, 4, 4, 4], joined_groups(log)
+    mixed = pb.JoinGroupRequest(members=[join_request("a", 0, 2, m), join_request("b", 1, 2, m)])
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{rack_port}") as channel,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        list(pb_grpc.CohortServiceStub(channel).JoinGroup(mixed, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "of 2 jobs" in (err.value.details() or ""), err.value.details()
+
+
+def test_a_rank_that_leaves_under_two_relays_lets_the_rest_form(
+    rack: tuple[list[str], int, Path],
+) -> None:
+    """Rank 1 dies after its node relay sent it up with rank 0: the node relay re-joins rank 0
+    alone, and the rack relay, still holding the group for ranks 2-3, takes the new call in
+    the old one's place (not sending the old group up as if rank 0 were a restarted
+    process); a restarted rank 1 and the other node's ranks then form one cohort with rank 0,
+    joined upstream as one group of 4."""
+    nodes, _, log = rack
+    m = manifest_of()
+    channel = grpc.insecure_channel(nodes[0])
+    gone = pb_grpc.CohortServiceStub(channel).Join(join_request("leave", 1, 4, m), timeout=30)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(run_rank, nodes[0], join_request("leave", 0, 4, m), m)
+        time.sleep(0.5)  # both sent up to the rack relay, which holds them for ranks 2-3
+        gone.cancel()
+        time.sleep(0.5)
+        rest = [
+            pool.submit(run_rank, nodes[r // 2], join_request("leave", r, 4, m), m)
+            for r in (1, 2, 3)
+        ]
+        results = [first.result(), *(f.result() for f in rest)]
+    channel.close()
+    for r in results:
+        assert r.error is None, r.error
+        assert r.verdict is not None and r.verdict.outcome == FORMED
+    assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    assert joined_groups(log)[-4:] == [4, 4, 4, 4], joined_groups(log)
 
 
 @pytest.mark.e2e
