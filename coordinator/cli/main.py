@@ -108,8 +108,8 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "one call per node instead of one per rank. Relays also take the groups of relays "
         "below them: point node relays' --upstream at a rack relay (its --local-ranks: every "
         "rank below it) and the coordinator holds one call per rack. Upstream TLS and token "
-        "come from COHORTGATE_TLS_* / the ranks' own tokens; the relay itself listens on "
-        "loopback unless told otherwise.",
+        "come from COHORTGATE_TLS_* / the ranks' own tokens; the relay's own port serves in "
+        "clear (no TLS there yet), on loopback unless --listen says otherwise.",
     )
     p.add_argument(
         "--upstream",
