@@ -152,6 +152,18 @@ def run_cohort(
         return [f.result() for f in futures]
 
 
+def one_cohort(results: list[RankResult], outcome: int) -> pb.Verdict:
+    """Every rank got a verdict of `outcome`, without an error, for one and the same cohort;
+    that verdict."""
+    for r in results:
+        assert r.error is None, r.error
+        assert r.verdict is not None and r.verdict.outcome == outcome, r.verdict
+    assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    verdict = results[0].verdict
+    assert verdict is not None
+    return verdict
+
+
 def sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 

@@ -29,6 +29,7 @@ from tests.helpers import (
     kill_group,
     log_events,
     manifest_of,
+    one_cohort,
     run_cohort,
     run_rank,
 )
@@ -292,10 +293,7 @@ def test_a_rank_that_leaves_a_relayed_group_can_come_back(relay: tuple[str, str,
         rest = [pool.submit(run_rank, relay_addr, join_request("l", r, 3, m), m) for r in (1, 2)]
         results = [first.result(), *(f.result() for f in rest)]
     channel.close()
-    for r in results:
-        assert r.error is None, r.error
-        assert r.verdict is not None and r.verdict.outcome == FORMED
-    assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    one_cohort(results, FORMED)
     assert coordinator
 
 
@@ -353,15 +351,14 @@ def test_relays_of_relays_join_a_rack_as_one_call(rack: tuple[list[str], int, Pa
     nodes, rack_port, log = rack
     m = manifest_of()
     bad = {r: manifest_of(dtype="bfloat16") if r == 3 else m for r in range(4)}
-    for job, manifests in (("rack", dict.fromkeys(range(4), m)), ("rack-refused", bad)):
+    for job, manifests, outcome in (
+        ("rack", dict.fromkeys(range(4), m), FORMED),
+        ("rack-refused", bad, REFUSED),
+    ):
         results = _through(nodes, job, manifests)
-        for r in results:
-            assert r.error is None, r.error
-            assert r.verdict is not None
-        assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
-    assert all(r.verdict and r.verdict.outcome == REFUSED for r in results)
+        verdict = one_cohort(results, outcome)
     assert sum(r.manifest_requests for r in results) == 2  # one per class, 2 hops down
-    report = results[0].verdict.refusal.report if results[0].verdict else ""
+    report = verdict.refusal.report
     assert "1 rank [3]" in report and "bfloat16" in report, report
     assert joined_groups(log) == [4, 4, 4, 4, 4, 4, 4, 4], joined_groups(log)
     mixed = pb.JoinGroupRequest(members=[join_request("a", 0, 2, m), join_request("b", 1, 2, m)])
@@ -397,10 +394,7 @@ def test_a_rank_that_leaves_under_two_relays_lets_the_rest_form(
         ]
         results = [first.result(), *(f.result() for f in rest)]
     channel.close()
-    for r in results:
-        assert r.error is None, r.error
-        assert r.verdict is not None and r.verdict.outcome == FORMED
-    assert len({r.verdict.cohort_id for r in results if r.verdict}) == 1
+    one_cohort(results, FORMED)
     assert joined_groups(log)[-4:] == [4, 4, 4, 4], joined_groups(log)
 
 

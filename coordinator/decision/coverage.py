@@ -157,7 +157,7 @@ def check_arrays(
             )
         )
     cells = math.prod(cells_per_dim)
-    distinct = _sorted_unique(ordered)
+    distinct = sorted_unique(ordered)
     if len(distinct) < cells:
         missing = np.nonzero(distinct != np.arange(len(distinct)))[0]
         cell = int(missing[0]) if len(missing) else len(distinct)
@@ -253,10 +253,10 @@ def _cuts(starts: Int64s, ends: Int64s, size: int) -> Int64s:
         marks[ends] = True
         marks[[0, size]] = True
         return np.flatnonzero(marks).astype(np.int64)
-    return _sorted_unique(np.concatenate((starts, ends, [0, size])))
+    return sorted_unique(np.concatenate((starts, ends, [0, size])))
 
 
-def _sorted_unique(values: Int64s) -> Int64s:
+def sorted_unique(values: Int64s) -> Int64s:
     """np.unique by sorting: numpy 2's default hash-based unique is ~10x slower here."""
     ordered = np.sort(values)
     keep = np.empty(len(ordered), dtype=bool)

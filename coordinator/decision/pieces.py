@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.contract.layout import Layout, PieceColumns
+from coordinator.decision.coverage import sorted_unique
 from coordinator.decision.parity import corner_masks, odd_keys_of
 
 Int64s = npt.NDArray[np.int64]
@@ -377,10 +378,7 @@ def _ranker(
         counts = np.zeros(space + 2, dtype=np.int32 if space < 2**31 else np.int64)
         np.cumsum(marks, out=counts[1:])
         return (lambda x: counts[x].astype(np.int64)), (lambda x, _: marks[x])
-    ordered = np.sort(np.concatenate(keys))
-    new = np.ones(len(ordered), dtype=bool)
-    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
-    cuts = ordered[new]
+    cuts = sorted_unique(np.concatenate(keys))
     last = len(cuts) - 1
     return (
         lambda x: np.searchsorted(cuts, x, side="left").astype(np.int64),
