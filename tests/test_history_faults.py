@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -90,6 +91,34 @@ def test_a_locked_history_changes_no_verdict_and_is_written_once_released(
     print(f"{COHORTS} cohorts formed in {took:.2f}s with the history locked, {errors:.0f} errors")
     assert stored == COHORTS
     assert took < 20, "a locked history must not stall the loop 5 s per verdict"
+
+
+def test_a_verdict_reaches_the_ranks_only_once_the_history_holds_it(tmp_path: Path) -> None:
+    """Stored, then sent: a rank whose call breaks as the coordinator dies must find the
+    verdict in its successor's history. The file is locked for a moment as the cohort is
+    decided; the ranks get the verdict only once it is committed, not before."""
+    path = tmp_path / "history.sqlite"
+    c = InProcessCoordinator(history=str(path), join_deadline=30.0)
+    locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        locker.execute("BEGIN EXCLUSIVE")
+        release = threading.Timer(0.5, lambda: locker.execute("ROLLBACK"))
+        release.start()
+        m = manifest_of()
+        results = run_cohort(c.addr, "stored-first", {0: m, 1: m})
+        # Read at once (WAL: reads go on under the lock). A verdict sent before the commit
+        # finds nothing stored, with the lock still held.
+        with sqlite3.connect(path) as reader:
+            stored = reader.execute(
+                "SELECT COUNT(*) FROM verdicts WHERE job_id = 'stored-first'"
+            ).fetchone()[0]
+        release.join()
+        assert all(r.verdict is not None for r in results), [r.error for r in results]
+        assert stored == 1, "the ranks got a verdict the history did not hold yet"
+    finally:
+        release.cancel()
+        locker.close()
+        c.stop()
 
 
 def _namespaced(before: str, after: str) -> object:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import re
 import time
@@ -63,6 +64,9 @@ ASK_AGAIN_S = 5.0
 # Above this many layout pieces (or manifest entries, when classes differ) a complete
 # cohort is decided in a worker thread: ~0.1 s of the loop's time at most.
 OFFLOAD_ABOVE = 20_000
+# A verdict waits this long at most for the history to store it before the ranks get it
+# (a commit takes milliseconds; a locked or slow disk must not hold a job back longer).
+RECORD_WAIT_S = 1.0
 # Digest uploads with more entries are combined in a worker thread (see upload_digests).
 INLINE_DIGESTS = 10_000
 
@@ -118,6 +122,9 @@ class Coordinator:
         self._timers: dict[tuple[str, int, str], asyncio.TimerHandle] = {}
         self._progress: dict[tuple[str, int], tuple[float, int, Progress]] = {}
         self._closing = False
+        # A verdict waited RECORD_WAIT_S for the history in vain, and none was stored since:
+        # the next verdicts are sent without waiting.
+        self._history_late = False
         # Cohorts being decided in a worker thread: True when they must be decided again.
         self._deciding: dict[tuple[str, int], bool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -243,11 +250,11 @@ class Coordinator:
         told: set[tuple[UploadKind, int]] = set()
         asks_seen = -1  # Asks.made when this call last looked at its members' asks
         quiet = all(i.quiet for i in intents)
-        loop = asyncio.get_running_loop()
         last_progress = float("-inf")
         while True:
             if cohort.verdict is not None:
-                yield cohort.verdict
+                if await self._recorded(cohort, poke, alive):
+                    yield cohort.verdict
                 return
             held[:] = [(k, m) for k, m in held if self._pokes.get(k) is poke]
             if not self._still_waiting(held, intents, alive):
@@ -262,16 +269,32 @@ class Coordinator:
                 for _, m in held:
                     m.last_seen = now
                 yield self.progress(cohort)
-            timer = None
-            if not quiet:
-                # A timer handle, not asyncio.wait_for: that costs a task per wait,
-                # which at 16k waiting ranks is most of the coordinator's time.
-                wait = self.progress_interval_s - (self.clock() - last_progress)
-                timer = loop.call_later(max(wait, 0.0), poke.set)
+            await self._sleep(poke, None if quiet else last_progress)
+
+    async def _sleep(self, poke: asyncio.Event, last_progress: float | None) -> None:
+        """Until `poke`, or the next progress event is due (None: no progress events)."""
+        timer = None
+        if last_progress is not None:
+            # A timer handle, not asyncio.wait_for: that costs a task per wait,
+            # which at 16k waiting ranks is most of the coordinator's time.
+            wait = self.progress_interval_s - (self.clock() - last_progress)
+            timer = asyncio.get_running_loop().call_later(max(wait, 0.0), poke.set)
+        await poke.wait()
+        if timer is not None:
+            timer.cancel()
+        poke.clear()
+
+    async def _recorded(
+        self, cohort: LiveCohort, poke: asyncio.Event, alive: Callable[[], bool]
+    ) -> bool:
+        """Wait until the verdict is stored (or no longer waited for); False if the call
+        went meanwhile. `_deliver` wakes it."""
+        while cohort.recording and not self._closing:
+            if not alive():
+                return False
             await poke.wait()
-            if timer is not None:
-                timer.cancel()
             poke.clear()
+        return True
 
     @staticmethod
     def _new_asks(
@@ -502,7 +525,12 @@ class Coordinator:
             if oldest is not None:
                 self._schedule(cohort, "asks", oldest + ASK_AGAIN_S, self._ask_again)
             return
+        self._decided(cohort)
+
+    def _decided(self, cohort: LiveCohort) -> None:
+        """The verdict is logged, stored, then sent to every rank."""
         verdict = cohort.verdict
+        assert verdict is not None
         log.info(
             f"cohort {verdict.outcome.value}",
             job=cohort.job_id,
@@ -513,10 +541,52 @@ class Coordinator:
             warnings=verdict.warnings,
         )
         self._settle(cohort)
+        history = self.observer.history
+        if history is None or history.problem or self._history_late:
+            # A degraded history, or one already late: not waited for (again).
+            self.observer.decided(cohort)
+            self._deliver(cohort)
+        else:
+            # Stored first, then sent: a rank whose call breaks as the coordinator dies
+            # re-joins its successor and finds this verdict, not a new round it would wait
+            # in while the others have formed.
+            cohort.recording = True
+            loop = asyncio.get_running_loop()
+            key = (cohort.job_id, cohort.round, "record")
+            self._timers[key] = loop.call_later(RECORD_WAIT_S, self._unrecorded, cohort)
+
+            def written() -> None:  # on the history's writer thread
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    loop.call_soon_threadsafe(self._stored, cohort)
+
+            self.observer.decided(cohort, written)
+        self._changed(cohort)
+
+    def _stored(self, cohort: LiveCohort) -> None:
+        self._history_late = False
+        self._deliver(cohort)
+
+    def _unrecorded(self, cohort: LiveCohort) -> None:
+        self._timers.pop((cohort.job_id, cohort.round, "record"), None)
+        if cohort.recording:
+            self._history_late = True  # until a verdict is stored again
+            log.warning(
+                "verdict sent before the history stored it",
+                job=cohort.job_id,
+                round=cohort.round,
+                waited_s=RECORD_WAIT_S,
+                advice="the history file is slow or refuses writes; the record is retried",
+            )
+            self._deliver(cohort)
+
+    def _deliver(self, cohort: LiveCohort) -> None:
+        """The verdict goes to every rank waiting on it."""
+        cohort.recording = False
+        timer = self._timers.pop((cohort.job_id, cohort.round, "record"), None)
+        if timer is not None:
+            timer.cancel()
         for m in cohort.state.members.values():
             self._poke(cohort, m)
-        self.observer.decided(cohort)
-        self._changed(cohort)
 
     def _ask_again(self, cohort: LiveCohort) -> None:
         """Unanswered asks go to another rank of their class."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from coordinator.service.metrics import Metrics
 from coordinator.state.base import LiveCohort, VerdictRow, VerdictStore
 
@@ -45,7 +47,9 @@ class Observer:
         self.metrics.manifest_uploads.labels("accepted" if accepted else "rejected").inc()
         self.metrics.manifest_bytes.inc(size)
 
-    def decided(self, cohort: LiveCohort) -> None:
+    def decided(self, cohort: LiveCohort, written: Callable[[], None] | None = None) -> None:
+        """Count the verdict and queue it for the history; `written` is called (from the
+        writer thread) once it is stored."""
         verdict = cohort.verdict
         assert verdict is not None
         m = self.metrics
@@ -77,7 +81,8 @@ class Observer:
                     decided_at=verdict.decided_at,
                     members={m.rank: m.incarnation for m in cohort.state.members.values()},
                     verdict=verdict,
-                )
+                ),
+                written,
             )
 
     def rpc_error(self, method: str, code: str) -> None:

@@ -50,6 +50,9 @@ class LiveCohort:
     last_reason: str = ""  # the decision's reason as it was last evaluated
     last_reason_kind: str = ""  # the same with digits masked: logged when it changes
     abandoned_at: float | None = None  # every rank left before a verdict
+    # Decided, but held back from the ranks until the history has stored the verdict (at
+    # most RECORD_WAIT_S): a rank re-joining a restarted coordinator must find it there.
+    recording: bool = False
     manifest_bytes: int = 0  # upload bytes of the manifests held (see Limits)
 
     # (state version or -1 once decided, the missing ranks as text): status reads are O(1)
@@ -209,7 +212,9 @@ class VerdictStore(abc.ABC):
         """Verdicts recorded but not yet stored."""
 
     @abc.abstractmethod
-    def record(self, row: VerdictRow) -> None: ...
+    def record(self, row: VerdictRow, written: Callable[[], None] | None = None) -> None:
+        """Queue `row`; `written` is called (from any thread) once it is stored, and never
+        if it cannot be."""
 
     @abc.abstractmethod
     def get(self, job_id: str, round_: int = 0) -> VerdictRow | None:

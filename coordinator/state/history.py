@@ -105,18 +105,18 @@ class _Writer(threading.Thread):
         self.connect = connect
         self.failed = failed
         self.cond = threading.Condition()
-        self.pending: deque[VerdictRow] = deque()
+        self.pending: deque[tuple[VerdictRow, Callable[[], None] | None]] = deque()
         self.dropped = 0
         self.error = ""
         self.closing = False
         self.busy = False
 
-    def put(self, row: VerdictRow) -> None:
+    def put(self, row: VerdictRow, written: Callable[[], None] | None) -> None:
         with self.cond:
             if len(self.pending) >= SPOOL_MAX:
                 self.pending.popleft()
                 self.dropped += 1
-            self.pending.append(row)
+            self.pending.append((row, written))
             self.cond.notify_all()
 
     def pending_count(self) -> int:
@@ -136,7 +136,7 @@ class _Writer(threading.Thread):
             try:
                 if self.db is None:
                     self.db = self.connect()
-                _insert(self.db, batch)
+                _insert(self.db, [row for row, _ in batch])
             except sqlite3.Error as exc:
                 self.error = str(exc)
                 self.failed("write", exc)
@@ -155,6 +155,9 @@ class _Writer(threading.Thread):
                     self.pending.popleft()
                 self.busy = False
                 self.cond.notify_all()
+            for _, written in batch:
+                if written is not None:
+                    written()
 
     def flush(self, timeout: float) -> bool:
         give_up = time.monotonic() + timeout
@@ -372,11 +375,12 @@ class History(VerdictStore):
                 self._writer.db.close()
         self.db.close()
 
-    def record(self, row: VerdictRow) -> None:
-        """Queue the verdict for the writer thread; never blocks, never raises."""
+    def record(self, row: VerdictRow, written: Callable[[], None] | None = None) -> None:
+        """Queue the verdict for the writer thread; never blocks, never raises. `written` is
+        called from the writer thread once the row is committed."""
         if self._writer is None:
             raise HistoryError(f"--history {self.path} is open read-only")
-        self._writer.put(row)
+        self._writer.put(row, written)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued verdict is written; False if it could not be in time."""
