@@ -580,12 +580,12 @@ class Coordinator:
             self._deliver(cohort)
 
     def _deliver(self, cohort: LiveCohort) -> None:
-        """The verdict goes to every rank waiting on it."""
+        """The verdict goes to every rank waiting on it, another launch's included."""
         cohort.recording = False
         timer = self._timers.pop((cohort.job_id, cohort.round, "record"), None)
         if timer is not None:
             timer.cancel()
-        for m in cohort.state.members.values():
+        for m in [*cohort.state.members.values(), *cohort.state.intruders]:
             self._poke(cohort, m)
 
     def _ask_again(self, cohort: LiveCohort) -> None:
