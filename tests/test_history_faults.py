@@ -100,9 +100,9 @@ def test_a_verdict_reaches_the_ranks_only_once_the_history_holds_it(tmp_path: Pa
     path = tmp_path / "history.sqlite"
     c = InProcessCoordinator(history=str(path), join_deadline=30.0)
     locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    release = threading.Timer(0.5, lambda: locker.execute("ROLLBACK"))
     try:
         locker.execute("BEGIN EXCLUSIVE")
-        release = threading.Timer(0.5, lambda: locker.execute("ROLLBACK"))
         release.start()
         m = manifest_of()
         results = run_cohort(c.addr, "stored-first", {0: m, 1: m})

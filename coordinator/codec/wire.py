@@ -203,7 +203,7 @@ def _column_sizes(msg: pb.PieceColumns, width: int, tensors: int, pieces: int, v
 
 
 def layout_to_pb(lay: Layout) -> pb.Layout:
-    cols = lay.pieces if isinstance(lay.pieces, PieceColumns) else PieceColumns.of(lay.pieces)
+    cols = lay.columns()
     msg = pb.Layout(
         format=lay.format,
         sizes=lay.sizes,

@@ -94,8 +94,8 @@ def le_bytes(values: array[int]) -> bytes:
 class PieceColumns:
     """A rank's pieces as columns (the wire's PieceColumns), grouped by tensor: each tensor
     once with its logical shape and how many of its pieces follow, then every piece's box
-    as little-endian int64 bytes. A million pieces are a handful of objects, read by the
-    coordinator as arrays (decision.pieces) and pickled to a decision worker as bytes.
+    as little-endian integers of `width` bytes. A million pieces are a handful of objects,
+    read by the coordinator as arrays (decision.pieces) and pickled to a worker as bytes.
     Iterating yields ShardPieces, for small layouts and tests."""
 
     tensors: tuple[str, ...] = ()
@@ -201,6 +201,11 @@ class Layout:
     quantization: str = ""
     pieces: tuple[ShardPiece, ...] | PieceColumns = ()
     format: int = LAYOUT_FORMAT_VERSION
+
+    def columns(self) -> PieceColumns:
+        """The pieces as columns (what the wire and the coverage check read)."""
+        pieces = self.pieces
+        return pieces if isinstance(pieces, PieceColumns) else PieceColumns.of(pieces)
 
     def size(self, axis: str) -> int:
         return int(self.sizes.get(axis, 1))

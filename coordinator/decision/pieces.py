@@ -34,11 +34,6 @@ Bools = npt.NDArray[np.bool_]
 KEY_LIMIT = 2**62
 
 
-def columns_of(lay: Layout) -> PieceColumns:
-    pieces = lay.pieces
-    return pieces if isinstance(pieces, PieceColumns) else PieceColumns.of(pieces)
-
-
 @dataclass
 class Rows:
     """Pieces of tensors of one number of dimensions `dims`, as columns."""
@@ -90,7 +85,7 @@ class CohortPieces:
         self.present: dict[int, list[Int64s]] = {}  # replica -> ids of tensors held
         for rank in sorted(layouts):
             lay = layouts[rank]
-            cols = columns_of(lay)
+            cols = lay.columns()
             replica = lay.position.get("dp", 0)
             key = (cols.tensors, cols.dims, cols.shapes)
             table = tables.get(key)

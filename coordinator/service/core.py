@@ -292,8 +292,7 @@ class Coordinator:
         while cohort.recording and not self._closing:
             if not alive():
                 return False
-            await poke.wait()
-            poke.clear()
+            await self._sleep(poke, None)
         return True
 
     @staticmethod
@@ -567,7 +566,6 @@ class Coordinator:
         self._deliver(cohort)
 
     def _unrecorded(self, cohort: LiveCohort) -> None:
-        self._timers.pop((cohort.job_id, cohort.round, "record"), None)
         if cohort.recording:
             self._history_late = True  # until a verdict is stored again
             log.warning(
