@@ -15,6 +15,7 @@ from coordinator.cli import ops as ops_cli
 from coordinator.cli.run import cmd_run
 from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
 from coordinator.contract.limits import Limits
+from coordinator.contract.settings import SettingError, env_seconds
 from coordinator.decision.checks import policy_help
 from coordinator.edge.config import ServeConfig, from_env_and_flags
 
@@ -134,6 +135,15 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "is sent on its own at once)",
     )
     p.add_argument(
+        "--rank-grace",
+        type=float,
+        default=None,
+        help="seconds within which a dead or frozen rank's join is dropped (its group "
+        "re-joins without it), and within which a coordinator that stops answering is "
+        "noticed (at least 5 s) and re-joined (default $COHORTGATE_RELAY_RANK_GRACE or 15, "
+        "as serve's)",
+    )
+    p.add_argument(
         "--max-message-bytes",
         type=int,
         default=Limits.max_message_bytes,
@@ -161,10 +171,21 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from coordinator.cli import logs
     from coordinator.edge.relay import serve_relay
 
-    if args.local_ranks < 1 or args.window < 0 or args.max_message_bytes < 512 * 1024:
+    try:
+        if args.rank_grace is None:
+            args.rank_grace = env_seconds("COHORTGATE_RELAY_RANK_GRACE", 15.0)
+    except SettingError as exc:
+        print(f"cohortgate relay: {exc}", file=sys.stderr)
+        return 2
+    if (
+        args.local_ranks < 1
+        or args.window < 0
+        or args.max_message_bytes < 512 * 1024
+        or not args.rank_grace > 0
+    ):
         print(
-            "cohortgate relay: --local-ranks must be >= 1, --window >= 0 and "
-            "--max-message-bytes >= 524288",
+            "cohortgate relay: --local-ranks must be >= 1, --window >= 0, --rank-grace > 0 "
+            "and --max-message-bytes >= 524288",
             file=sys.stderr,
         )
         return 2
@@ -183,6 +204,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
                 window_s=args.window,
                 local_ranks=args.local_ranks,
                 max_message_bytes=args.max_message_bytes,
+                rank_grace_s=args.rank_grace,
                 port_file=str(args.port_file) if args.port_file else None,
             )
         )

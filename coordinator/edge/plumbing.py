@@ -138,3 +138,50 @@ def _unary(behavior: Any) -> Any:
         return await behavior(request, context)
 
     return unary
+
+
+def keepalive_server_options(grace_s: float) -> list[tuple[str, int]]:
+    """A server's HTTP/2 keepalive: a peer (a rank, a relay) that does not answer a ping
+    within `grace_s` loses its connection, and with it its calls. Shared by `serve` and the
+    relay, so a frozen rank is dropped the same way whichever it joined through."""
+    half_grace_ms = max(int(grace_s * 500), 1)
+    return [
+        ("grpc.keepalive_time_ms", half_grace_ms),
+        ("grpc.keepalive_timeout_ms", half_grace_ms),
+        # grpcio 1.85 waits for a ping's answer `http2.ping_timeout_ms` (60 s by default),
+        # not `keepalive_timeout_ms`: a frozen host (SIGSTOP, a hung node: its connection
+        # stays open) then held its rank for a minute whatever the grace.
+        ("grpc.http2.ping_timeout_ms", half_grace_ms),
+        # A waiting rank's call is quiet (no data for minutes): keep pinging it anyway.
+        ("grpc.http2.max_pings_without_data", 0),
+        # Agents and relays wait minutes on one call; let their keepalive pings through.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_MS),
+    ]
+
+
+# A server takes a client's ping at most this often when no data flows (more often is
+# answered with GOAWAY "too many pings"): a client pings no more often than this.
+MIN_CLIENT_PING_MS = 5000
+
+
+def keepalive_client_options(grace_s: float) -> list[tuple[str, int]]:
+    """A long-waiting client's channel (a relay's upstream): a server that stops answering
+    (a black-holed link, a frozen coordinator, a close that was lost) fails the call with
+    UNAVAILABLE within about `grace_s` (at least 5 s: see MIN_CLIENT_PING_MS), instead of
+    the call waiting forever on a connection nobody holds any more. Reconnects are tried
+    every 0.2-2 s, and a connection attempt that hangs (its handshake black-holed) gives up
+    after 2 s, so the link is back within seconds of healing."""
+    ping_ms = max(int(grace_s * 500), MIN_CLIENT_PING_MS)
+    answer_ms = max(int(grace_s * 500), 1000)
+    return [
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", answer_ms),
+        ("grpc.http2.ping_timeout_ms", answer_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        # Also the least time a connection attempt is given (grpc's min_connect_timeout).
+        ("grpc.min_reconnect_backoff_ms", 1000),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,12 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.limits import Limits
-from coordinator.edge.plumbing import RAW_CHUNKS, add_service
+from coordinator.edge.plumbing import (
+    RAW_CHUNKS,
+    add_service,
+    keepalive_client_options,
+    keepalive_server_options,
+)
 from coordinator.edge.ports import bind
 
 log = structlog.get_logger("cohortgate.relay")
@@ -73,6 +79,66 @@ class _Group:
     bytes: int = 0  # the JoinGroupRequest's size
 
 
+class _Outage:
+    """The upstream went while a group waited: logged once, the group's ranks told (those
+    that are not quiet: rank 0 prints it), the group re-joined every ~second until the
+    coordinator answers again, and the recovery logged with how long it took."""
+
+    RETRY_S = (0.2, 0.5, 1.0)
+    TELL_EVERY_S = 10.0
+
+    def __init__(self, upstream: str, group: _Group, details: str) -> None:
+        self.upstream = upstream
+        self.since = time.monotonic()
+        self.attempts = 0
+        self.told_at = float("-inf")
+        self.message = (
+            f"the relay lost the coordinator at {upstream} ({_first_line(details)}); "
+            "it holds this node's ranks and re-joins them once it answers"
+        )
+        log.warning(
+            "upstream lost; holding the ranks and re-joining",
+            job=group.key[0],
+            ranks=len(group.ranks),
+            upstream=upstream,
+            error=_first_line(details),
+        )
+
+    async def wait(
+        self,
+        group: _Group,
+        members: dict[int, _Rank],
+        dispatch: Callable[[pb.JoinEvent, dict[int, _Rank]], None],
+    ) -> None:
+        now = time.monotonic()
+        if now - self.told_at >= self.TELL_EVERY_S:
+            self.told_at = now
+            first = next(iter(members.values())).request
+            progress = pb.Progress(
+                job_id=first.job_id,
+                round=first.round,
+                expected=first.world_size,
+                message=f"{self.message} (unreachable for {now - self.since:.0f}s)",
+            )
+            dispatch(pb.JoinEvent(progress=progress), members)
+        await asyncio.sleep(self.RETRY_S[min(self.attempts, len(self.RETRY_S) - 1)])
+        self.attempts += 1
+
+    def over(self, group: _Group) -> None:
+        log.info(
+            "upstream back; the ranks re-joined",
+            job=group.key[0],
+            ranks=len(group.ranks),
+            upstream=self.upstream,
+            unreachable_s=round(time.monotonic() - self.since, 2),
+            attempts=self.attempts,
+        )
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:200] if text.strip() else "no details"
+
+
 def _auth(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
     """The rank's bearer token, passed upstream as it came."""
     return [
@@ -107,11 +173,16 @@ class Relay(pb_grpc.CohortServiceServicer):
         window_s: float = 2.0,
         local_ranks: int = 8,
         max_message_bytes: int = Limits.max_message_bytes,
+        rank_grace_s: float = 15.0,
     ) -> None:
         self.upstream = upstream
         # A group goes upstream as one message: it is cut before it grows past this.
         self.max_message_bytes = max_message_bytes
-        self.channel = (security or ClientSecurity()).aio_channel(upstream)
+        # Keepalive upstream: a coordinator that stops answering (a black-holed link, whose
+        # close may be lost too) fails the group's call, and the relay re-joins it.
+        self.channel = (security or ClientSecurity()).aio_channel(
+            upstream, keepalive_client_options(rank_grace_s)
+        )
         self.stub = pb_grpc.CohortServiceStub(self.channel)
         # Uploads (whole or in chunks) pass through as the bytes the rank sent (see
         # RAW_CHUNKS): never decoded.
@@ -258,7 +329,9 @@ class Relay(pb_grpc.CohortServiceServicer):
         group.call.cancel()
 
     async def _run(self, group: _Group) -> None:
+        lost: _Outage | None = None
         while group.ranks:
+            group.regroup = False
             members = dict(group.ranks)
             call = group.call = self.stub.JoinGroup(
                 pb.JoinGroupRequest(members=[r.request for r in members.values()]),
@@ -266,6 +339,9 @@ class Relay(pb_grpc.CohortServiceServicer):
             )
             try:
                 async for event in call:
+                    if lost is not None:
+                        lost.over(group)
+                        lost = None
                     self._dispatch(event, members)
                     if event.WhichOneof("event") == "verdict":
                         group.decided = True
@@ -283,6 +359,12 @@ class Relay(pb_grpc.CohortServiceServicer):
                     continue
                 if isinstance(exc, asyncio.CancelledError):
                     raise
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The link or the coordinator went (a partition, a restart): the
+                    # ranks stay held here and the group re-joins once it answers again.
+                    lost = lost or _Outage(self.upstream, group, exc.details() or "")
+                    await lost.wait(group, members, self._dispatch)
+                    continue
                 status = _Status(exc.code(), exc.details() or "")
             for events in {id(r.events): r.events for r in members.values()}.values():
                 events.put_nowait(status)
@@ -326,6 +408,7 @@ async def serve_relay(
     local_ranks: int = 8,
     port_file: str | None = None,
     max_message_bytes: int = Limits.max_message_bytes,
+    rank_grace_s: float = 15.0,
 ) -> None:
     """Serve until SIGTERM or SIGINT."""
     relay = Relay(
@@ -334,13 +417,17 @@ async def serve_relay(
         window_s=window_s,
         local_ranks=local_ranks,
         max_message_bytes=max_message_bytes,
+        rank_grace_s=rank_grace_s,
     )
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),  # one relay per address (see server.py)
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            # A dead or frozen rank (SIGSTOP, a hung process: its connection stays open)
+            # is dropped within the grace, as the coordinator drops a direct one; the
+            # rest of its group re-joins without it. Without this the coordinator pings
+            # only the relay, which answers for every rank behind it.
+            *keepalive_server_options(rank_grace_s),
         ]
     )
     add_service(server, "CohortService", relay, raw=RAW_CHUNKS)
@@ -358,6 +445,7 @@ async def serve_relay(
         upstream=upstream,
         local_ranks=local_ranks,
         window_s=window_s,
+        rank_grace_s=rank_grace_s,
         pid=os.getpid(),
     )
     stop = asyncio.Event()

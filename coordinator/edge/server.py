@@ -20,7 +20,7 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.edge.auth import Auth, TokenStore
 from coordinator.edge.config import ServeConfig
 from coordinator.edge.http import MetricsServer
-from coordinator.edge.plumbing import RAW_JOINS, add_service
+from coordinator.edge.plumbing import RAW_JOINS, add_service, keepalive_server_options
 from coordinator.edge.ports import BindError, bind, check_free
 from coordinator.edge.servicer import CohortServicer, StatusServicer
 from coordinator.service.core import Coordinator
@@ -90,9 +90,6 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             observer=Observer(history=history),
             limits=limits,
         )
-    # A dead rank's connection is found by HTTP/2 keepalive: a ping every grace/2 seconds,
-    # and the connection (with the rank's join) dropped if no answer within grace/2.
-    half_grace_ms = int(config.rank_grace * 500)
     server = grpc.aio.server(
         options=[
             # One process per address: with SO_REUSEPORT (gRPC's Linux default) a second
@@ -103,17 +100,9 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             # Answers (a verdict, a listing) are encoded once and bounded by their own caps.
             ("grpc.max_send_message_length", max(limits.max_upload_bytes, 64 << 20)),
-            ("grpc.keepalive_time_ms", half_grace_ms),
-            ("grpc.keepalive_timeout_ms", half_grace_ms),
-            # grpcio 1.85 waits for a ping's answer `http2.ping_timeout_ms` (60 s by default),
-            # not `keepalive_timeout_ms`: a frozen host (SIGSTOP, a hung node: its connection
-            # stays open) then held its rank for a minute whatever the grace.
-            ("grpc.http2.ping_timeout_ms", half_grace_ms),
-            # A waiting rank's call is quiet (no data for minutes): keep pinging it anyway.
-            ("grpc.http2.max_pings_without_data", 0),
-            # Agents wait minutes on one call; let their keepalive pings through.
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            # A dead or frozen rank's connection (with its join) is dropped within the
+            # grace: HTTP/2 keepalive pings every grace/2, answered within grace/2.
+            *keepalive_server_options(config.rank_grace),
             # A whole job joins at once. grpc core queues calls the Python server has not
             # picked up yet and, past 1,000 of them (or after some time queued), cancels
             # the newest; thousands of ranks then never reach the coordinator. Let the

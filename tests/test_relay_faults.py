@@ -1,0 +1,204 @@
+"""Faults behind a node relay: a frozen rank, a black-holed, delayed or reset upstream. FORMED
+must mean every rank answered within the grace, and a relay must come back by itself."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.cli.spawn import spawn
+from tests.helpers import (
+    REPO,
+    InProcessCoordinator,
+    join_request,
+    kill_group,
+    log_events,
+    manifest_of,
+    run_rank,
+)
+from tests.netfault import FaultProxy
+
+GRACE = 2.0
+
+
+def holds(c: InProcessCoordinator, job_id: str, rank: int) -> bool:
+    def look() -> bool:
+        cohort = c.running.coordinator.find(job_id)
+        return cohort is not None and cohort.verdict is None and rank in cohort.state.members
+
+    return bool(c.call(look))
+
+
+def wait_until(what: str, condition: object, within: float) -> float:
+    """Seconds until `condition()` held; fails naming `what` after `within`."""
+    start = time.monotonic()
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() - start < within, f"{what}: not within {within:g}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def relay_process(upstream: str, tmp: Path, *flags: str) -> Iterator[tuple[str, Path]]:
+    log = tmp / "relay.log"
+    proc, port = spawn(
+        tmp / "relay-port",
+        ["--upstream", upstream, "--listen", "127.0.0.1:0", "--log-format", "json", *flags],
+        stdout=open(log, "wb"),  # noqa: SIM115 (closed with the process)
+        new_session=True,
+        command="relay",
+    )
+    try:
+        yield f"127.0.0.1:{port}", log
+    finally:
+        kill_group(proc)
+
+
+def rank_process(addr: str, job: str, rank: int, world: int) -> subprocess.Popen[bytes]:
+    script = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r});"
+        "from tests.helpers import join_request, manifest_of, run_rank;"
+        f"m = manifest_of(); run_rank({addr!r}, join_request({job!r}, {rank}, {world}, m), m, 60)"
+    )
+    return subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_rank_behind_a_relay_is_dropped_within_the_grace_and_its_restart_forms(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP keeps the rank's connection to the relay open; only the relay's own keepalive
+    can find it (the coordinator pings the relay, which answers for every rank behind it)."""
+    c = InProcessCoordinator(join_deadline=60.0, rank_grace=GRACE)
+    m = manifest_of()
+    pool = ThreadPoolExecutor(max_workers=4)
+    frozen = None
+    try:
+        with relay_process(c.addr, tmp_path, "--local-ranks", "2", "--rank-grace", str(GRACE)) as (
+            relay,
+            log,
+        ):
+            first = pool.submit(run_rank, relay, join_request("frozen", 0, 3, m), m, 60)
+            frozen = rank_process(relay, "frozen", 1, 3)
+            wait_until("ranks 0-1 reach the coordinator", lambda: holds(c, "frozen", 1), 30)
+            os.kill(frozen.pid, signal.SIGSTOP)
+            dropped_s = wait_until(
+                "the frozen rank dropped", lambda: not holds(c, "frozen", 1), GRACE + 1.0
+            )
+            assert holds(c, "frozen", 0), "the live rank of the node stays in the cohort"
+            restarted = pool.submit(run_rank, relay, join_request("frozen", 1, 3, m), m, 60)
+            last = run_rank(c.addr, join_request("frozen", 2, 3, m), m, 60)
+            results = [first.result(timeout=30), restarted.result(timeout=30), last]
+        said = [e["event"] for e in log_events(log)]
+    finally:
+        if frozen is not None:
+            kill_group(frozen)
+        pool.shutdown(wait=False, cancel_futures=True)
+        c.stop()
+    print(f"frozen rank behind the relay dropped after {dropped_s:.2f} s (grace {GRACE:g} s)")
+    verdicts = [r.verdict for r in results]
+    assert all(v is not None and v.outcome == pb.Verdict.OUTCOME_FORMED for v in verdicts), [
+        r.error for r in results
+    ]
+    assert len({v.cohort_id for v in verdicts if v is not None}) == 1
+    assert "rank left; re-joining the rest" in said
+
+
+def _partitioned(
+    tmp_path: Path, fault: str, outage_s: float
+) -> tuple[float, list[dict[str, object]], list[pb.Verdict | None]]:
+    """Ranks 0-1 wait behind a relay whose upstream goes through a proxy; the proxy fails
+    (`fault`) for `outage_s`, then heals. Returns the seconds from the heal until both ranks
+    are held again, the relay's log, and the three ranks' verdicts."""
+    c = InProcessCoordinator(join_deadline=90.0, rank_grace=GRACE)
+    m = manifest_of()
+    pool = ThreadPoolExecutor(max_workers=3)
+    try:
+        with (
+            FaultProxy(c.addr) as proxy,
+            relay_process(
+                proxy.addr, tmp_path, "--local-ranks", "2", "--rank-grace", str(GRACE)
+            ) as (relay, log),
+        ):
+            node = [
+                pool.submit(run_rank, relay, join_request("cut", r, 3, m), m, 90) for r in (0, 1)
+            ]
+            both = lambda: holds(c, "cut", 0) and holds(c, "cut", 1)  # noqa: E731
+            wait_until("ranks 0-1 reach the coordinator", both, 30)
+            if fault == "blackhole":
+                proxy.blackhole()
+                # The coordinator drops the node (its pings go unanswered): the close it
+                # sends is lost with everything else.
+                wait_until("the coordinator drops the node", lambda: not holds(c, "cut", 0), 10)
+                time.sleep(max(outage_s - GRACE, 0))
+                proxy.heal()
+            else:
+                proxy.reset()
+            healed = time.monotonic()
+            back_s = wait_until("the node's ranks back after the heal", both, 5.0)
+            assert time.monotonic() - healed < 5.0
+            last = run_rank(c.addr, join_request("cut", 2, 3, m), m, 30)
+            verdicts = [f.result(timeout=30).verdict for f in node] + [last.verdict]
+        events = log_events(log)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        c.stop()
+    return back_s, events, verdicts
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("outage_s", [8.0, 30.0])
+def test_a_relay_whose_upstream_is_black_holed_has_its_ranks_back_within_5s_of_the_heal(
+    tmp_path: Path, outage_s: float
+) -> None:
+    back_s, events, verdicts = _partitioned(tmp_path, "blackhole", outage_s)
+    print(f"black-holed {outage_s:g} s: the node's ranks back {back_s:.2f} s after the heal")
+    assert {v.outcome for v in verdicts if v is not None} == {pb.Verdict.OUTCOME_FORMED}
+    assert all(v is not None for v in verdicts)
+    said = [e["event"] for e in events]
+    assert "upstream lost; holding the ranks and re-joining" in said
+    back = [e for e in events if e["event"] == "upstream back; the ranks re-joined"]
+    assert back and float(back[-1]["unreachable_s"]) > 0  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_whose_upstream_connection_is_reset_rejoins_at_once(tmp_path: Path) -> None:
+    back_s, events, verdicts = _partitioned(tmp_path, "reset", 0.0)
+    print(f"reset: the node's ranks back {back_s:.2f} s after")
+    assert all(v is not None and v.outcome == pb.Verdict.OUTCOME_FORMED for v in verdicts)
+    said = [e["event"] for e in events]
+    assert "upstream lost; holding the ranks and re-joining" in said
+    assert "upstream back; the ranks re-joined" in said
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_behind_a_slow_link_forms(tmp_path: Path) -> None:
+    """200 ms each way between the relay and the coordinator: slower, never wrong."""
+    c = InProcessCoordinator(join_deadline=30.0, rank_grace=GRACE)
+    m = manifest_of()
+    try:
+        with (
+            FaultProxy(c.addr) as proxy,
+            relay_process(proxy.addr, tmp_path, "--local-ranks", "2") as (relay, _),
+            ThreadPoolExecutor(max_workers=2) as pool,
+        ):
+            proxy.delay(0.2)
+            node = [
+                pool.submit(run_rank, relay, join_request("slow", r, 2, m), m, 30) for r in (0, 1)
+            ]
+            results = [f.result(timeout=40) for f in node]
+    finally:
+        c.stop()
+    assert all(
+        r.verdict is not None and r.verdict.outcome == pb.Verdict.OUTCOME_FORMED for r in results
+    )
