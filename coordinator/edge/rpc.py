@@ -111,6 +111,7 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         layout=layout,
         weights_digest=weights_digest,
         launch=text(req.launch, "launch"),
+        restart_count=req.restart_count,
         sharded_without_layout=req.sharded_without_layout,
         agreed=agreed_of(req, limits),
     )

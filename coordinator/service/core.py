@@ -15,7 +15,12 @@ import structlog
 
 from coordinator.contract import ranges
 from coordinator.contract.digests import combine_uploaded
-from coordinator.contract.errors import FailedPrecondition, LimitExceeded, Unavailable
+from coordinator.contract.errors import (
+    AlreadyHeld,
+    FailedPrecondition,
+    LimitExceeded,
+    Unavailable,
+)
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import ManifestLike
 from coordinator.decision.cohort import Member, UploadKind
@@ -24,7 +29,13 @@ from coordinator.decision.report import Verdict, judge
 from coordinator.service.observers import Observer
 from coordinator.service.status import CohortSummary, summarize
 from coordinator.state.asks import UploadRef
-from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, LiveCohort
+from coordinator.state.base import (
+    CohortStore,
+    InvalidUpload,
+    JoinIntent,
+    JoinResult,
+    LiveCohort,
+)
 from coordinator.state.memory import MemoryStore
 
 
@@ -119,6 +130,8 @@ class Coordinator:
         self.progress_interval_s = progress_interval_s
         # The event each waiting rank's call sleeps on, by the rank's incarnation and round.
         self._pokes: dict[UploadRef, asyncio.Event] = {}
+        # Whether each waiting rank's call is still open (its `alive`), by the same key.
+        self._alive: dict[UploadRef, Callable[[], bool]] = {}
         self._timers: dict[tuple[str, int, str], asyncio.TimerHandle] = {}
         self._progress: dict[tuple[str, int], tuple[float, int, Progress]] = {}
         self._closing = False
@@ -159,7 +172,7 @@ class Coordinator:
         if self._closing:
             raise Unavailable("the coordinator is shutting down; retry against its successor")
         poke = asyncio.Event()
-        admitted = self._replayed_from_history(intents[0]) or self._admit(intents, poke)
+        admitted = self._replayed_from_history(intents[0]) or self._admit(intents, poke, alive)
         if isinstance(admitted, Verdict):
             yield admitted
             return
@@ -186,7 +199,7 @@ class Coordinator:
         return stored
 
     def _admit(
-        self, intents: list[JoinIntent], poke: asyncio.Event
+        self, intents: list[JoinIntent], poke: asyncio.Event, alive: Callable[[], bool]
     ) -> Verdict | tuple[LiveCohort, list[tuple[UploadRef, Member]]]:
         """Every intent joins (or all are undone): the cohort and the members now waiting on
         `poke`, or the verdict of a decided round the same incarnation took part in."""
@@ -194,7 +207,7 @@ class Coordinator:
         cohort: LiveCohort | None = None
         try:
             for intent in intents:
-                result = self.store.join(intent)
+                result = self._join_store(intent)
                 if result.replayed:
                     if held:
                         raise FailedPrecondition(
@@ -204,7 +217,10 @@ class Coordinator:
                         )
                     assert result.cohort.verdict is not None
                     log.info(
-                        "verdict replayed",
+                        "a restarted process takes its predecessor's place in the decided "
+                        "round: verdict replayed"
+                        if result.successor
+                        else "verdict replayed",
                         job=result.cohort.job_id,
                         round=result.cohort.round,
                         rank=result.member.rank,
@@ -222,6 +238,7 @@ class Coordinator:
                 else:
                     self.observer.joined(result.opened)
                 self._pokes[ref] = poke
+                self._alive[ref] = alive
                 held.append((ref, member))
                 log.debug(
                     "rank joined",
@@ -237,6 +254,36 @@ class Coordinator:
             raise
         assert cohort is not None
         return cohort, held
+
+    def _join_store(self, intent: JoinIntent) -> JoinResult:
+        """The store's join; a rank held by a call that has ended (its cancel reached grpc,
+        its done callback has not run yet: a restart racing its predecessor) is freed
+        first, instead of the restart being told ALREADY_EXISTS while the cohort may
+        complete with the dead call."""
+        try:
+            return self.store.join(intent)
+        except AlreadyHeld:
+            cohort = self.store.find(intent.job_id)
+            held = cohort.state.members.get(intent.member.rank) if cohort else None
+            if cohort is None or held is None or self._answers(cohort, held):
+                raise
+            self._depart(cohort, held)
+            return self.store.join(intent)
+
+    def _answers(self, cohort: LiveCohort, member: Member) -> bool:
+        """Is `member`'s call still open (as far as grpc knows)?"""
+        alive = self._alive.get(ref_of(cohort, member))
+        return alive is None or alive()
+
+    def _drop_ended_calls(self, cohort: LiveCohort) -> None:
+        """Before a complete cohort is decided: members whose calls have ended (the
+        cancel reached grpc, the done callback is still queued) leave first, so a cohort
+        never forms with a process that is gone."""
+        state = cohort.state
+        if cohort.settled or not state.complete:
+            return
+        for member in [m for m in state.members.values() if not self._answers(cohort, m)]:
+            self._depart(cohort, member)
 
     async def _wait(
         self,
@@ -337,6 +384,7 @@ class Coordinator:
         for key, member in held:
             if self._pokes.get(key) is poke:
                 del self._pokes[key]
+                self._alive.pop(key, None)
                 if cohort.verdict is None:
                     self._depart(cohort, member)
 
@@ -446,6 +494,7 @@ class Coordinator:
 
     # -- decisions ---------------------------------------------------------------------
     def evaluate(self, cohort: LiveCohort) -> None:
+        self._drop_ended_calls(cohort)
         if self._heavy(cohort):
             self._decide_off_loop(cohort)
             return

@@ -95,6 +95,9 @@ class JoinResult:
     cohort: LiveCohort
     member: Member
     replayed: bool = False  # a decided round's verdict handed back to the same incarnation
+    # ... or to a successor: a new incarnation of a member, of the same launch and torchrun
+    # generation, that came back as the round was decided (see MemoryStore._successor)
+    successor: bool = False
     opened: bool = False  # this join opened the cohort (a new round)
     intruder: bool = False  # of another launch, for a rank held: refuses the cohort
 

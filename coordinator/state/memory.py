@@ -27,6 +27,13 @@ from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinR
 MAX_ENTRY_WIRE_BYTES = 4096
 UPLOAD_SLACK_BYTES = 64 * 1024
 
+# A new incarnation of a decided round's member (same launch, same torchrun restart count,
+# same model) that joins within this many seconds of the decision is its predecessor's
+# successor: the process died as the round was decided and came straight back, and the
+# other ranks have their verdict. It gets that verdict, so every rank of the round has one.
+# A torchrun restart raises the restart count on every worker and opens a new round.
+SUCCESSOR_WINDOW_S = 10.0
+
 # Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
 # verdict back; older rounds are forgotten (the history database keeps them for good).
 ROUNDS_KEPT = 4
@@ -74,7 +81,7 @@ class MemoryStore(CohortStore):
             )
         job = self.jobs.get(intent.job_id)
         if job is not None:
-            replay = self._replay(job, intent)
+            replay = self._replay(job, intent) or self._successor(job, intent, now)
             if replay is not None:
                 return replay
         opened = job is None or job.current.settled
@@ -143,9 +150,29 @@ class MemoryStore(CohortStore):
             return None
         cohort = job.rounds[past_round]
         member = cohort.state.members.get(intent.member.rank)
-        if member is None or member.incarnation != intent.member.incarnation:
+        if member is None:
             return None
         return JoinResult(cohort, member, replayed=True)
+
+    def _successor(self, job: Job, intent: JoinIntent, now: float) -> JoinResult | None:
+        """The just-decided round's verdict for a successor of one of its members (see
+        SUCCESSOR_WINDOW_S), or None: the join takes part in the open (or a new) round."""
+        cohort, new = job.current, intent.member
+        held = cohort.state.members.get(new.rank)
+        decided_at = cohort.settled_at
+        if (
+            cohort.verdict is None
+            or decided_at is None
+            or now - decided_at > SUCCESSOR_WINDOW_S
+            or held is None
+            or not held.launch
+            or (held.launch, held.restart_count) != (new.launch, new.restart_count)
+            or (held.signature, held.weights_digest, held.layout, held.agreed)
+            != (new.signature, new.weights_digest, new.layout, new.agreed)
+        ):
+            return None
+        job.incarnations[new.incarnation] = cohort.round  # its own re-joins replay too
+        return JoinResult(cohort, held, replayed=True, successor=True)
 
     def _check_round(self, job: Job, asked: int, open_round: int) -> None:
         if asked in (0, open_round):
