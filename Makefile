@@ -22,20 +22,30 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt agent/_digest.c
 demo: venv
 	$(PY) examples/demo.py
 
-## system-deps: Debian's chromium and prometheus (promtool), which the operations tests drive
-system-deps:
-	@if command -v chromium >/dev/null && command -v prometheus >/dev/null \
-	    && command -v promtool >/dev/null; then exit 0; fi; \
-	if ! command -v apt-get >/dev/null; then \
-	  echo "install chromium and prometheus (with promtool): the operations tests need them" >&2; \
-	  exit 1; fi; \
-	SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
-	  --no-install-recommends chromium prometheus
+## system-deps: Debian's chromium (installed: it enables no service) and prometheus with
+## promtool (unpacked into $(VENV)/prometheus only: its package would enable and start
+## prometheus.service), which the operations tests drive
+PROM := $(VENV)/prometheus/usr/bin
+system-deps: venv
+	@if ! command -v chromium >/dev/null || ! [ -x $(PROM)/promtool ]; then \
+	  if ! command -v apt-get >/dev/null; then \
+	    echo "install chromium, and put prometheus and promtool in $(PROM):" \
+	      "the operations tests need them" >&2; exit 1; fi; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q; \
+	fi; \
+	if ! command -v chromium >/dev/null; then \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    chromium; fi; \
+	if ! [ -x $(PROM)/promtool ]; then \
+	  rm -rf $(VENV)/debs && mkdir -p $(VENV)/debs && \
+	  (cd $(VENV)/debs && apt-get download -q prometheus) && \
+	  dpkg-deb -x $(VENV)/debs/prometheus_*.deb $(VENV)/prometheus; fi
 
 ## test: everything CI runs: generated-code check, ruff, import contracts, mypy, pytest
 test: venv system-deps proto-check lint typecheck
-	$(PY) -m pytest -q
+	PATH="$(abspath $(PROM)):$$PATH" $(PY) -m pytest -q
 
 lint: venv
 	$(VENV)/bin/ruff format --check .

@@ -55,7 +55,7 @@ def main() -> int:
                 for _ in range(args.watchers)
             ]
             give_up = time.monotonic() + 60
-            while c.call(lambda: sum(c.running.coordinator._watching.values())) < args.watchers:
+            while c.call(lambda: c.running.coordinator.watchers.open) < args.watchers:
                 assert time.monotonic() < give_up, "the watches never opened"
                 time.sleep(0.1)
             watched = formation_s(c.addr, "b-watched", args.ranks, args.repeats)

@@ -61,7 +61,10 @@ def request(job: str, rank: int, world: int) -> pb.JoinRequest:
 
 
 async def one_join(
-    stub: pb_grpc.CohortServiceStub, req: pb.JoinRequest, deadline_s: float
+    stub: pb_grpc.CohortServiceStub,
+    req: pb.JoinRequest,
+    deadline_s: float,
+    manifest: Manifest = MANIFEST,
 ) -> tuple[str, pb.Verdict | None]:
     """Join as the agent does: upload when asked, retry ALREADY_EXISTS (a predecessor not
     yet dropped) and UNAVAILABLE for a while. ('ok', verdict) or (error, None)."""
@@ -74,7 +77,7 @@ async def one_join(
                 if kind == "manifest_request":
                     await stub.UploadManifestChunks(
                         wire.upload_chunks(
-                            wire.manifest_answer(req, event.manifest_request.round, MANIFEST)
+                            wire.manifest_answer(req, event.manifest_request.round, manifest)
                         ),
                         timeout=30,
                     )

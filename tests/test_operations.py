@@ -361,7 +361,8 @@ def test_watches_are_capped_and_a_change_wakes_only_its_jobs_watchers() -> None:
             with pytest.raises(grpc.RpcError) as err:
                 next(stub.WatchCohorts(pb.WatchCohortsRequest(job_id="job-a"), timeout=5))
             run_cohort(c.addr, "job-b", {0: m, 1: m})
-            woken = c.call(lambda: sum(len(d) for d, _ in c.running.coordinator._watchers["job-a"]))
+            hub = c.running.coordinator.watchers
+            woken = c.call(lambda: sum(len(w.outbox) for w in hub._by_job["job-a"]))
             run_cohort(c.addr, "job-a", {0: m})  # round 2: the next thing each watch sees
             seen = [next(watch).job_id for watch in watches]
             for watch in watches:
@@ -372,6 +373,41 @@ def test_watches_are_capped_and_a_change_wakes_only_its_jobs_watchers() -> None:
     assert "max_watchers_per_token=3" in (err.value.details() or "")
     assert woken == 0
     assert seen == ["job-a"] * 3, "job B's changes reached job A's watchers"
+
+
+def test_a_watcher_gets_at_most_one_update_per_job_per_watch_interval() -> None:
+    """12 ranks join 0.1 s apart: a watcher sees the cohort's latest state once per
+    interval, not every join (which made 100 watchers slow every formation 9x)."""
+    interval = 0.5
+    c = InProcessCoordinator(join_deadline=30.0, watch_interval=interval)
+    m = manifest_of()
+    try:
+        with grpc.insecure_channel(c.addr) as channel:
+            watch = pb_grpc.StatusServiceStub(channel).WatchCohorts(
+                pb.WatchCohortsRequest(job_id="paced"), timeout=30
+            )
+            seen: list[pb.CohortSummary] = []
+            with ThreadPoolExecutor(max_workers=13) as pool:
+                reader = pool.submit(lambda: [seen.append(s) for s in watch])
+                start = time.monotonic()
+                ranks = []
+                for r in range(12):
+                    ranks.append(
+                        pool.submit(run_rank, c.addr, join_request("paced", r, 12, m), m, 30)
+                    )
+                    time.sleep(0.1)
+                assert all(f.result(timeout=30).verdict for f in ranks)
+                while not any(s.state == pb.COHORT_STATE_FORMED for s in seen):
+                    assert time.monotonic() - start < 20, seen
+                    time.sleep(0.05)
+                took = time.monotonic() - start
+                watch.cancel()
+                reader.exception(timeout=10)
+    finally:
+        c.stop()
+    joined = [s.joined for s in seen]
+    assert len(seen) <= took / interval + 2, f"{len(seen)} updates in {took:.1f} s: {joined}"
+    assert joined == sorted(joined) and seen[-1].state == pb.COHORT_STATE_FORMED
 
 
 def test_status_and_watch_cli(coord: InProcessCoordinator) -> None:

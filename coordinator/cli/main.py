@@ -39,6 +39,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--join-deadline", type=float, help="seconds from a cohort's first join")
     p.add_argument("--manifest-timeout", type=float, help="seconds to wait for manifests")
     p.add_argument("--progress-interval", type=float, help="seconds between progress events")
+    p.add_argument(
+        "--watch-interval",
+        type=float,
+        help="seconds: a status watcher gets at most one update per job this often",
+    )
     p.add_argument("--grace", type=float, help="seconds of graceful shutdown on SIGTERM")
     p.add_argument(
         "--log-format",

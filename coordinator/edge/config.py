@@ -41,6 +41,12 @@ class ServeConfig(BaseModel):
     join_deadline: float = Field(600.0, gt=0, description="seconds from a cohort's first join")
     manifest_timeout: float = Field(30.0, gt=0, description="seconds to wait for manifests")
     progress_interval: float = Field(1.0, gt=0, description="seconds between progress events")
+    watch_interval: float = Field(
+        0.5,
+        gt=0,
+        description="a status watcher gets at most one update per job this often (and "
+        "watchers never take more than an eighth of the coordinator's time)",
+    )
     grace: float = Field(5.0, ge=0, description="seconds of graceful shutdown on SIGTERM")
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -102,7 +102,7 @@ def _handler(
     return handler(
         wrap(behavior),
         request_deserializer=parse,
-        response_serializer=response_cls.SerializeToString,
+        response_serializer=_serializer(response_cls),
     )
 
 

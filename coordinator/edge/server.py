@@ -87,6 +87,7 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         coordinator = Coordinator(
             config.formation,
             progress_interval_s=config.progress_interval,
+            watch_interval_s=config.watch_interval,
             observer=Observer(history=history),
             limits=limits,
         )

@@ -32,6 +32,7 @@ from coordinator.decision.cohort import UploadKind
 from coordinator.edge import rpc
 from coordinator.edge.auth import Auth
 from coordinator.service.core import Coordinator
+from coordinator.service.status import CohortSummary
 from coordinator.state.base import JoinIntent
 
 log = structlog.get_logger("cohortgate")
@@ -300,6 +301,8 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
     def __init__(self, coordinator: Coordinator, auth: Auth | None = None) -> None:
         self.coordinator = coordinator
         self.auth = auth or Auth(None)
+        self._listed: tuple[list[CohortSummary] | None, bytes] = (None, b"")
+        self._encodings: dict[int, tuple[CohortSummary, bytes]] = {}
 
     async def _scope(
         self, context: grpc.aio.ServicerContext, method: str, job_id: str
@@ -315,12 +318,26 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
             return ("" if grant.admin else grant.scope), grant.scope
         raise AssertionError("unreachable")  # answering aborts the call
 
-    async def ListCohorts(
+    async def ListCohorts(  # type: ignore[override]  # encoded once, sent as bytes
         self, request: pb.ListCohortsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListCohortsResponse:
+    ) -> bytes:
         job_id, _ = await self._scope(context, "ListCohorts", request.job_id)
         summaries = self.coordinator.summaries(job_id)
-        return pb.ListCohortsResponse(cohorts=[rpc.summary_to_pb(s) for s in summaries])
+        if self._listed[0] is not summaries:  # a large listing is reused for 0.25 s
+            response = pb.ListCohortsResponse(cohorts=[rpc.summary_to_pb(s) for s in summaries])
+            self._listed = (summaries, response.SerializeToString())
+        return self._listed[1]
+
+    def _encoded(self, summary: CohortSummary) -> bytes:
+        """A watch tick hands the same summary to every watcher of its job: encoded once."""
+        hit = self._encodings.get(id(summary))
+        if hit is not None and hit[0] is summary:
+            return hit[1]
+        if len(self._encodings) >= 4096:
+            self._encodings.clear()
+        data = rpc.summary_to_pb(summary).SerializeToString()
+        self._encodings[id(summary)] = (summary, data)
+        return data
 
     async def GetCohort(
         self, request: pb.GetCohortRequest, context: grpc.aio.ServicerContext
@@ -337,13 +354,13 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
             return rpc.detail_to_pb(summary, cohort)
         raise AssertionError("unreachable")  # answering aborts the call
 
-    async def WatchCohorts(
+    async def WatchCohorts(  # type: ignore[override]  # encoded once per tick, sent as bytes
         self, request: pb.WatchCohortsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.CohortSummary]:
+    ) -> AsyncIterator[bytes]:
         job_id, holder = await self._scope(context, "WatchCohorts", request.job_id)
         async with answering(self.coordinator, context, "WatchCohorts", job_id):
             async for summary in self.coordinator.watch(job_id, holder):
-                yield rpc.summary_to_pb(summary)
+                yield self._encoded(summary)
 
     async def GetVerdict(
         self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext

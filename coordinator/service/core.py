@@ -18,7 +18,6 @@ from coordinator.contract.digests import combine_uploaded
 from coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
-    LimitExceeded,
     Unavailable,
 )
 from coordinator.contract.limits import Limits
@@ -28,6 +27,7 @@ from coordinator.decision.formation import Decision, FormationOptions
 from coordinator.decision.report import Verdict, judge
 from coordinator.service.observers import Observer
 from coordinator.service.status import CohortSummary, summarize
+from coordinator.service.watchers import WatchHub
 from coordinator.state.asks import UploadRef
 from coordinator.state.base import (
     CohortStore,
@@ -98,6 +98,9 @@ def _workers() -> ProcessPoolExecutor:
     return _WORKERS
 
 
+# Listings of up to this many cohorts are exact; larger ones may be 0.25 s stale.
+LISTING_EXACT_UP_TO = 64
+
 # Up to this world size every progress event is exact; above, it may be 0.25 s stale.
 PROGRESS_EXACT_UP_TO = 1024
 
@@ -116,6 +119,7 @@ class Coordinator:
         limits: Limits | None = None,
         store: CohortStore | None = None,
         offload_above: int = OFFLOAD_ABOVE,
+        watch_interval_s: float = 0.5,
     ) -> None:
         self.options = options or FormationOptions()
         self.observer = observer or Observer()
@@ -142,11 +146,11 @@ class Coordinator:
         self._deciding: dict[tuple[str, int], bool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.offload_above = offload_above
-        # Status watchers: each holds the (job, round) keys changed since it last looked.
-        # job filter ("" for every job) -> its watchers; watches open per holder
-        self._watchers: dict[str, list[tuple[set[tuple[str, int]], asyncio.Event]]] = {}
-        self._watching: dict[str, int] = {}
         self.limits = limits or Limits()
+        self.watchers = WatchHub(self._summaries_of, self.limits, watch_interval_s)
+        # A large listing (status page, ListCohorts) is summarised at most this often:
+        # a client polling in a loop must not cost the loop O(cohorts) per call.
+        self._listing: dict[str, tuple[float, int, list[CohortSummary]]] = {}
 
     # -- joining -----------------------------------------------------------------------
     async def join(
@@ -681,65 +685,37 @@ class Coordinator:
 
     def summaries(self, job_id: str = "") -> list[CohortSummary]:
         now = self.clock()
+        cached = self._listing.get(job_id)
+        if cached is not None and cached[1] > LISTING_EXACT_UP_TO and now < cached[0]:
+            return cached[2]
+        started = time.perf_counter()
         out = [summarize(c, now, self.options) for c in self.cohorts(job_id)]
+        if len(self._listing) > 64:
+            self._listing.clear()
+        # Reused for 0.25 s, or 20 times as long as it took to make (with its encoding,
+        # about 10% of the loop for a client that lists in a tight loop).
+        fresh_until = now + max(0.25, 20 * (time.perf_counter() - started))
+        self._listing[job_id] = (fresh_until, len(out), out)
         oldest = max((s.age_s for s in out if s.state == "waiting"), default=0.0)
         self.observer.metrics.oldest_waiting.set(oldest)
         return out
 
+    def _summaries_of(self, keys: list[tuple[str, int]]) -> list[CohortSummary]:
+        now = self.clock()
+        found = (self.find(job, round_) for job, round_ in keys)
+        return [summarize(c, now, self.options) for c in found if c is not None]
+
     def find(self, job_id: str, round_: int = 0) -> LiveCohort | None:
         return self.store.find(job_id, round_)
 
-    async def watch(self, job_id: str = "", holder: str = "") -> AsyncIterator[CohortSummary]:
-        """Every matching cohort now, then each one again whenever it changes (changes
-        coalesced per wake-up). `holder` names who watches (a token's scope) for the
-        per-token limit; a change wakes only the watchers of its job (and of all jobs)."""
-        self._check_watch_limits(holder)
-        dirty: set[tuple[str, int]] = set()
-        event = asyncio.Event()
-        entry = (dirty, event)
-        self._watchers.setdefault(job_id, []).append(entry)
-        self._watching[holder] = self._watching.get(holder, 0) + 1
-        try:
-            for summary in self.summaries(job_id):
-                yield summary
-            while not self._closing:
-                await event.wait()
-                event.clear()
-                keys = sorted(dirty)
-                dirty.clear()
-                now = self.clock()
-                for job, round_ in keys:
-                    cohort = self.find(job, round_)
-                    if cohort is not None:
-                        yield summarize(cohort, now, self.options)
-        finally:
-            self._watchers[job_id].remove(entry)
-            if not self._watchers[job_id]:
-                del self._watchers[job_id]
-            self._watching[holder] -= 1
-            if not self._watching[holder]:
-                del self._watching[holder]
-
-    def _check_watch_limits(self, holder: str) -> None:
-        watching = sum(self._watching.values())
-        if watching >= self.limits.max_watchers:
-            raise LimitExceeded(
-                f"{watching} status watches are open, the limit max_watchers="
-                f"{self.limits.max_watchers}; close one (or poll ListCohorts)"
-            )
-        mine = self._watching.get(holder, 0)
-        if mine >= self.limits.max_watchers_per_token:
-            raise LimitExceeded(
-                f"this token holds {mine} status watches, the limit "
-                f"max_watchers_per_token={self.limits.max_watchers_per_token}"
-            )
+    def watch(self, job_id: str = "", holder: str = "") -> AsyncIterator[CohortSummary]:
+        """Every matching cohort now, then each one again when it changes: at most once per
+        watch interval, the latest state only (see service/watchers.py). `holder` names who
+        watches (a token's scope) for the per-token limit."""
+        return self.watchers.watch(job_id, holder, lambda: self.summaries(job_id))
 
     def _changed(self, cohort: LiveCohort) -> None:
-        key = (cohort.job_id, cohort.round)
-        for job in (cohort.job_id, ""):
-            for dirty, event in self._watchers.get(job, ()):
-                dirty.add(key)
-                event.set()
+        self.watchers.changed((cohort.job_id, cohort.round))
 
     # -- shutdown ----------------------------------------------------------------------
     def close(self) -> None:
@@ -750,6 +726,4 @@ class Coordinator:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
-        for watchers in self._watchers.values():
-            for _, event in watchers:
-                event.set()
+        self.watchers.close()
