@@ -9,11 +9,11 @@ from coordinator.contract.layout import Layout, LayoutBuilder, config_fingerprin
 from coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
-    from agent.client import CohortgateError
     from agent.cohort import Cohort, CohortRefused, init_process_group, join
     from agent.dtensor import dtensor_pieces
     from agent.identity import tokenizer_fingerprint
     from agent.signature import manifest
+    from agent.torchrun import CohortgateError
 
 __all__ = [
     "Cohort",
@@ -44,7 +44,7 @@ _LAZY = {
     "init_process_group": "agent.cohort",
     "Cohort": "agent.cohort",
     "CohortRefused": "agent.cohort",
-    "CohortgateError": "agent.client",
+    "CohortgateError": "agent.torchrun",
     "tokenizer_fingerprint": "agent.identity",
 }
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
-from agent.torchrun import RankIdentity
+from agent.torchrun import CohortgateError, RankIdentity
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
@@ -21,6 +20,7 @@ from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Manifest
+from coordinator.contract.settings import SettingError, env_seconds
 
 logger = logging.getLogger("cohortgate.agent")
 
@@ -30,18 +30,19 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 PROGRESS_EVERY_S = 5.0
 
 
-class CohortgateError(RuntimeError):
-    """The join failed for a reason other than a refusal: the message names the coordinator."""
+def _timeout_from_env() -> float:
+    """COHORTGATE_TIMEOUT, read when a join starts (a bad value is that join's error, named,
+    not an import error)."""
+    return env_seconds("COHORTGATE_TIMEOUT", DEFAULT_TIMEOUT_S)
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
+
+# Above the coordinator's default 600 s join deadline; COHORTGATE_TIMEOUT overrides.
+DEFAULT_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
 class JoinOptions:
-    # Above the coordinator's default 600 s join deadline; COHORTGATE_TIMEOUT overrides.
-    timeout_s: float = float(os.environ.get("COHORTGATE_TIMEOUT") or 900.0)
+    timeout_s: float = field(default_factory=_timeout_from_env)
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     # A restarted rank can arrive before the coordinator has noticed its dead predecessor
@@ -52,6 +53,12 @@ class JoinOptions:
     # it has failed this long, then this often while the agent keeps retrying.
     unreachable_after_s: float = 3.0
     unreachable_every_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise SettingError(
+                f"timeout_s={self.timeout_s:g}: a join needs a positive number of seconds"
+            )
 
 
 def _say(message: str) -> None:

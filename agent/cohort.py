@@ -13,8 +13,15 @@ from urllib.parse import urlparse
 
 from agent.client import JoinOptions
 from agent.client import join as client_join
-from agent.torchrun import RankIdentity, free_port, torchrun_store, write_error_file
+from agent.torchrun import (
+    CohortgateError,
+    RankIdentity,
+    free_port,
+    torchrun_store,
+    write_error_file,
+)
 from coordinator.contract.layout import Layout, LayoutBuilder
+from coordinator.contract.settings import SettingError
 
 if TYPE_CHECKING:
     import torch
@@ -146,6 +153,11 @@ def join(
         return _join(model, job_id, addr, timeout_s, layout, verify_values, agreed)
     except CohortRefused:
         raise  # its report is on stderr and in the error file already
+    except SettingError as exc:
+        # A bad COHORTGATE_* value: one line naming it, in torchrun's Root Cause too.
+        summary = f"CohortgateError: {exc}"
+        write_error_file(os.environ.get("TORCHELASTIC_ERROR_FILE"), summary, summary)
+        raise CohortgateError(str(exc)) from None
     except Exception as exc:
         # Whatever stopped the join (a bad environment, an unreachable coordinator, a
         # tensor the manifest cannot read) reaches torchrun's Root Cause, not only stderr.

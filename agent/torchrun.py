@@ -9,11 +9,24 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
 
+if TYPE_CHECKING:
+    import grpc
 
-class AgentConfigError(RuntimeError):
+
+class CohortgateError(RuntimeError):
+    """The join failed for a reason other than a refusal (a setting, an unreachable
+    coordinator, an error it returned): the message says which and what to do."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AgentConfigError(CohortgateError):
     """The rank's environment does not say enough to join; the message says what to set."""
 
 

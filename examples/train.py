@@ -69,6 +69,9 @@ def main() -> int:
         )
     except agent.CohortRefused:
         return 3  # the report is already on stderr and in torchrun's error file
+    except agent.CohortgateError as exc:  # a setting, an unreachable coordinator: one line
+        print(f"rank {rank}: cohortgate: {exc}", file=sys.stderr, flush=True)
+        return 4
 
     # The cohort's own endpoint carries the collectives: check it sums correctly.
     total = torch.tensor([float(cohort.rank + 1)])

@@ -17,6 +17,7 @@ from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
 from coordinator.contract.limits import Limits
 from coordinator.contract.settings import SettingError, env_seconds
 from coordinator.decision.checks import policy_help
+from coordinator.edge.auth import TokenStore
 from coordinator.edge.config import ServeConfig, from_env_and_flags
 
 
@@ -232,6 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config.check_exposure()
         config.check_tls()
         config.policies  # noqa: B018 (parsed now so a typo stops the start)
+        if config.tokens_file is not None:
+            TokenStore.load(config.tokens_file)  # read now: a bad file is one line, no start
     except ValidationError as exc:
         for error in exc.errors():
             where = "--" + "-".join(str(x) for x in error["loc"]).replace("_", "-")
@@ -270,14 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":
-        return cmd_run(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return cmd_serve(args)
-    if args.command == "relay":
-        return cmd_relay(args)
-    return int(args.func(args))
+    try:
+        if argv and argv[0] == "run":
+            return cmd_run(argv[1:])
+        args = build_parser().parse_args(argv)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "relay":
+            return cmd_relay(args)
+        return int(args.func(args))
+    except SettingError as exc:  # a COHORTGATE_* variable a client reads (token, TLS files)
+        print(f"cohortgate {argv[0] if argv else ''}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

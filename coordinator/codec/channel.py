@@ -9,6 +9,8 @@ from pathlib import Path
 
 import grpc
 
+from coordinator.contract.settings import SettingError, token_text
+
 
 @dataclass(frozen=True)
 class ClientSecurity:
@@ -42,9 +44,24 @@ class ClientSecurity:
             path("COHORTGATE_TLS_CERT"),
             path("COHORTGATE_TLS_KEY"),
         )
+        for name, file in (
+            ("COHORTGATE_TLS_CA", ca),
+            ("COHORTGATE_TLS_CERT", cert),
+            ("COHORTGATE_TLS_KEY", key),
+        ):
+            if file is not None and not file.is_file():
+                raise SettingError(
+                    f"{name}={file}: no such file; give a PEM file readable here "
+                    "(or unset the variable)"
+                )
+        if (cert is None) != (key is None):
+            raise SettingError(
+                "COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together: give both or neither"
+            )
         tls = bool(ca or cert) or env.get("COHORTGATE_TLS", "").lower() in ("1", "true", "yes")
         return cls(
-            token=token or env.get("COHORTGATE_TOKEN") or None,
+            token=token_text("--token" if token else "COHORTGATE_TOKEN", token)
+            or token_text("COHORTGATE_TOKEN", env.get("COHORTGATE_TOKEN")),
             tls=tls,
             ca=ca,
             cert=cert,
@@ -78,12 +95,21 @@ class ClientSecurity:
         if not self.tls:
             return None, opts
         if (self.cert is None) != (self.key is None):
-            raise ValueError("COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together")
+            raise SettingError("COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together")
         credentials = grpc.ssl_channel_credentials(
-            root_certificates=self.ca.read_bytes() if self.ca else None,
-            private_key=self.key.read_bytes() if self.key else None,
-            certificate_chain=self.cert.read_bytes() if self.cert else None,
+            root_certificates=_pem("COHORTGATE_TLS_CA", self.ca),
+            private_key=_pem("COHORTGATE_TLS_KEY", self.key),
+            certificate_chain=_pem("COHORTGATE_TLS_CERT", self.cert),
         )
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
         return credentials, opts
+
+
+def _pem(name: str, path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise SettingError(f"{name}={path}: {exc.strerror or exc}") from None

@@ -45,22 +45,45 @@ class TokenStore:
     @classmethod
     def load(cls, path: Path) -> TokenStore:
         grants: dict[bytes, Grant] = {}
-        for number, raw in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"--tokens-file {path}: not UTF-8 text (byte {exc.start}); expected "
+                "'TOKEN JOB_ID' lines"
+            ) from None
+        except OSError as exc:
+            raise ValueError(f"--tokens-file {path}: {exc.strerror or exc}") from None
+        for number, raw in enumerate(text.splitlines(), 1):
             line = raw.split("#", 1)[0].strip()
             if not line:
                 continue
             parts = line.split()
             if len(parts) != 2:
                 raise ValueError(
-                    f"{path}:{number}: expected 'TOKEN JOB_ID' (or 'TOKEN *' for an admin token)"
+                    f"--tokens-file {path}:{number}: expected 'TOKEN JOB_ID' (or 'TOKEN *' "
+                    "for an admin token)"
                 )
             token, scope = parts
             if len(token) < 16:
-                raise ValueError(f"{path}:{number}: a token must be at least 16 characters")
+                raise ValueError(
+                    f"--tokens-file {path}:{number}: a token must be at least 16 characters"
+                )
             grants[_digest(token)] = Grant(scope)
         if not grants:
-            raise ValueError(f"{path} holds no tokens")
+            raise ValueError(f"--tokens-file {path} holds no tokens")
         return cls(grants)
+
+    @staticmethod
+    def exposure(path: Path) -> str | None:
+        """A warning when others than the owner may read the tokens file, else None."""
+        mode = path.stat().st_mode & 0o777
+        if not mode & 0o077:
+            return None
+        return (
+            f"--tokens-file {path} has mode {mode:o}: others on this machine can read every "
+            f"token; run chmod 600 {path}"
+        )
 
     def grant(self, metadata: Sequence[tuple[str, str | bytes]]) -> Grant:
         """The grant of the call's `authorization: Bearer TOKEN`, or Unauthenticated."""
@@ -89,6 +112,17 @@ class Auth:
     @property
     def enabled(self) -> bool:
         return self.store is not None
+
+    @staticmethod
+    def exposure(path: Path) -> str | None:
+        """A warning when others than the owner may read the tokens file, else None."""
+        mode = path.stat().st_mode & 0o777
+        if not mode & 0o077:
+            return None
+        return (
+            f"--tokens-file {path} has mode {mode:o}: others on this machine can read every "
+            f"token; run chmod 600 {path}"
+        )
 
     def grant(self, metadata: Sequence[tuple[str, str | bytes]]) -> Grant:
         if self.store is None:

@@ -71,6 +71,16 @@ class RunningServer:
             history.close()
 
 
+def _auth(config: ServeConfig) -> Auth:
+    if config.tokens_file is None:
+        return Auth(None)
+    tokens = TokenStore.load(config.tokens_file)
+    said = TokenStore.exposure(config.tokens_file)
+    if said:
+        log.warning(said)
+    return Auth(tokens)
+
+
 async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> RunningServer:
     config.check_exposure()
     config.check_tls()
@@ -79,7 +89,7 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     check_free("--listen", config.listen)
     if config.metrics_listen != "off":
         check_free("--metrics-listen", config.metrics_listen)
-    auth = Auth(TokenStore.load(config.tokens_file) if config.tokens_file else None)
+    auth = _auth(config)
     limits = config.limits
     if coordinator is None:
         path = config.history_path

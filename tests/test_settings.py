@@ -1,0 +1,230 @@
+"""Bad settings fail in one line naming the setting and what it accepts: in the agent (as a
+CohortgateError, written to torchrun's error file), in the CLI (exit 2), in `serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.codec.channel import ClientSecurity
+from coordinator.contract.settings import SettingError, env_seconds, token_text
+from tests.helpers import REPO, InProcessCoordinator, free_port
+
+CLI = [sys.executable, "-m", "coordinator.cli"]
+TOKEN = "a-token-of-sixteen-chars-or-more"
+
+# A rank as torchrun starts it, joining a coordinator nobody serves (never reached: the
+# setting fails first).
+RANK_ENV = {
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "1",
+    "TORCHELASTIC_RUN_ID": "settings",
+}
+JOIN = (
+    "import sys, torch, agent\n"
+    "try:\n"
+    "    agent.join(torch.nn.Linear(2, 2))\n"
+    "except agent.CohortgateError as exc:\n"
+    "    print('ERROR', exc)\n"
+    "    sys.exit(4)\n"
+)
+
+
+def _rank(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    error_file = tmp_path / "error.json"
+    run = subprocess.run(
+        [sys.executable, "-c", JOIN],
+        env={
+            **os.environ,
+            **RANK_ENV,
+            "COHORTGATE_ADDR": f"127.0.0.1:{free_port()}",
+            "TORCHELASTIC_ERROR_FILE": str(error_file),
+            "PYTHONPATH": str(REPO),
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    message = json.loads(error_file.read_text())["message"] if error_file.exists() else {}
+    return run, message
+
+
+def test_the_agent_imports_whatever_cohortgate_timeout_holds() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", "import agent.client, agent.cohort"],
+        env={**os.environ, "COHORTGATE_TIMEOUT": "abc", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"COHORTGATE_TIMEOUT": "abc"}, "COHORTGATE_TIMEOUT='abc' is not a number"),
+        ({"COHORTGATE_TIMEOUT": "-5"}, "COHORTGATE_TIMEOUT=-5 must be a finite number"),
+        ({"COHORTGATE_TIMEOUT": "nan"}, "COHORTGATE_TIMEOUT=nan must be a finite number"),
+        ({"COHORTGATE_TLS_CA": "/missing/ca.pem"}, "COHORTGATE_TLS_CA=/missing/ca.pem: no such"),
+        ({"COHORTGATE_TOKEN": "two\nlines-of-token"}, "COHORTGATE_TOKEN holds a character"),
+    ],
+)
+def test_a_bad_agent_setting_is_one_line_naming_it_in_the_error_file(
+    tmp_path: Path, env: dict[str, str], named: str
+) -> None:
+    run, message = _rank(tmp_path, **env)
+    assert run.returncode == 4, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    (line,) = run.stdout.splitlines()
+    assert named in line
+    assert named in message["message"]  # type: ignore[index]
+    assert "coordinator" not in line.split(":")[0], "not blamed on the coordinator"
+
+
+def test_a_token_read_from_a_file_keeps_working_with_its_newline() -> None:
+    security = ClientSecurity.from_env({"COHORTGATE_TOKEN": f"  {TOKEN}\n"})
+    assert security.token == TOKEN
+    assert token_text("COHORTGATE_TOKEN", " \n") is None
+    with pytest.raises(SettingError, match=r"COHORTGATE_TOKEN holds .*'\\t' at position 3"):
+        token_text("COHORTGATE_TOKEN", "abc\tdef")
+
+
+def test_a_token_with_a_trailing_newline_reaches_a_token_checked_coordinator(
+    tmp_path: Path,
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN} *\n")
+    tokens.chmod(0o600)
+    c = InProcessCoordinator(tokens_file=tokens)
+    try:
+        run = subprocess.run(
+            [*CLI, "status", "--addr", c.addr, "--json"],
+            env={**os.environ, "COHORTGATE_TOKEN": TOKEN + "\n"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        c.stop()
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == []
+
+
+def test_the_cli_names_a_missing_ca_in_one_line() -> None:
+    run = subprocess.run(
+        [*CLI, "status", "--addr", f"127.0.0.1:{free_port()}"],
+        env={**os.environ, "COHORTGATE_TLS_CA": "/missing/ca.pem"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "cohortgate status: COHORTGATE_TLS_CA=/missing/ca.pem: no such file; give a PEM file "
+        "readable here (or unset the variable)"
+    )
+
+
+def test_env_seconds_accepts_numbers_above_the_minimum_only() -> None:
+    assert env_seconds("X", 9.0, {}) == 9.0
+    assert env_seconds("X", 9.0, {"X": " 2.5 "}) == 2.5
+    for bad in ("0", "-1", "inf", "1e999", "ten"):
+        with pytest.raises(SettingError, match=r"^X="):
+            env_seconds("X", 9.0, {"X": bad})
+
+
+def _serve(tmp_path: Path, tokens: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            *CLI,
+            "serve",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--metrics-listen",
+            "off",
+            "--history",
+            "off",
+            "--tokens-file",
+            str(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"\xff\xfe tok *\n", "not UTF-8 text (byte 0)"),
+        (b"short *\n", ":1: a token must be at least 16 characters"),
+        (b"# nothing\n", "holds no tokens"),
+        (f"{TOKEN}\n".encode(), ":1: expected 'TOKEN JOB_ID'"),
+    ],
+)
+def test_serve_refuses_a_bad_tokens_file_in_one_line(
+    tmp_path: Path, content: bytes, said: str
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_bytes(content)
+    tokens.chmod(0o600)
+    run = _serve(tmp_path, tokens)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    (line,) = run.stderr.splitlines()
+    assert line.startswith("cohortgate serve: --tokens-file ") and said in line, line
+
+
+@pytest.mark.timeout(60)
+def test_a_world_readable_tokens_file_starts_with_a_warning_naming_it(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN} *\n")
+    tokens.chmod(0o644)
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            "--metrics-listen",
+            "off",
+            "--history",
+            "off",
+            "--log-format",
+            "json",
+            "--tokens-file",
+            str(tokens),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        warning = None
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event["level"] == "warning":
+                warning = event["event"]
+            if event["event"] == "serving":
+                break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert warning == (
+        f"--tokens-file {tokens} has mode 644: others on this machine can read every token; "
+        f"run chmod 600 {tokens}"
+    )
