@@ -4,6 +4,7 @@ must mean every rank answered within the grace, and a relay must come back by it
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -13,10 +14,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
 from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.cli.spawn import spawn
+from coordinator.codec import wire
+from coordinator.codec.channel import ClientSecurity
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -202,3 +207,140 @@ def test_a_relay_behind_a_slow_link_forms(tmp_path: Path) -> None:
     assert all(
         r.verdict is not None and r.verdict.outcome == pb.Verdict.OUTCOME_FORMED for r in results
     )
+
+
+# -- the relay's own port: TLS -------------------------------------------------------------
+def _join_through(addr: str, security: ClientSecurity, job: str) -> pb.Verdict:
+    m = manifest_of()
+    request = join_request(job, 0, 1, m)
+    with security.channel(addr) as channel:
+        stub = pb_grpc.CohortServiceStub(channel)
+        for event in stub.Join(request, timeout=10):
+            if event.WhichOneof("event") == "manifest_request":
+                answer = wire.manifest_answer(request, event.manifest_request.round, m)
+                stub.UploadManifestChunks(wire.upload_chunks(answer), timeout=10)
+            elif event.WhichOneof("event") == "verdict":
+                return event.verdict
+    raise AssertionError("no verdict")
+
+
+def _refused_handshake(addr: str, security: ClientSecurity) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        _join_through(addr, security, "tls-no")
+    return err.value.code()
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_forms_through_a_tls_relay_and_plain_text_or_a_wrong_ca_fail(
+    tmp_path: Path, pki: Path
+) -> None:
+    c = InProcessCoordinator(join_deadline=30.0)
+    try:
+        flags = ["--local-ranks", "1", "--tls-cert", str(pki / "server.pem")]
+        with relay_process(c.addr, tmp_path, *flags, "--tls-key", str(pki / "server.key")) as (
+            relay,
+            _,
+        ):
+            good = ClientSecurity(tls=True, ca=pki / "ca.pem")
+            assert _join_through(relay, good, "tls-ok").outcome == pb.Verdict.OUTCOME_FORMED
+            plain = _refused_handshake(relay, ClientSecurity())
+            wrong = _refused_handshake(relay, ClientSecurity(tls=True, ca=pki / "client.pem"))
+    finally:
+        c.stop()
+    assert plain == wrong == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_with_a_client_ca_takes_only_ranks_with_a_certificate(
+    tmp_path: Path, pki: Path
+) -> None:
+    """Settings from COHORTGATE_RELAY_TLS_*, not from the upstream's COHORTGATE_TLS_*."""
+    c = InProcessCoordinator(join_deadline=30.0)
+    env = {
+        "COHORTGATE_RELAY_TLS_CERT": str(pki / "server.pem"),
+        "COHORTGATE_RELAY_TLS_KEY": str(pki / "server.key"),
+        "COHORTGATE_RELAY_TLS_CLIENT_CA": str(pki / "ca.pem"),
+    }
+    os.environ.update(env)
+    try:
+        with relay_process(c.addr, tmp_path, "--local-ranks", "1") as (relay, log):
+            anonymous = _refused_handshake(relay, ClientSecurity(tls=True, ca=pki / "ca.pem"))
+            certified = ClientSecurity(
+                tls=True, ca=pki / "ca.pem", cert=pki / "client.pem", key=pki / "client.key"
+            )
+            verdict = _join_through(relay, certified, "mtls-ok")
+        started = [e for e in log_events(log) if e["event"] == "relaying"]
+    finally:
+        for name in env:
+            del os.environ[name]
+        c.stop()
+    assert anonymous == grpc.StatusCode.UNAVAILABLE
+    assert verdict.outcome == pb.Verdict.OUTCOME_FORMED
+    assert started[0]["tls"] == "mutual"
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
+    c = InProcessCoordinator(join_deadline=30.0)
+    try:
+        log = tmp_path / "relay.log"
+        proc, _ = spawn(
+            tmp_path / "relay-port",
+            ["--upstream", c.addr, "--log-format", "json"],
+            stdout=open(log, "wb"),  # noqa: SIM115 (closed with the process)
+            new_session=True,
+            command="relay",
+        )
+        kill_group(proc)
+        quiet = [e for e in log_events(log) if e["level"] == "warning"]
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "relay",
+                "--upstream",
+                c.addr,
+                "--listen",
+                "0.0.0.0:0",
+                "--port-file",
+                str(tmp_path / "port2"),
+                "--log-format",
+                "json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            assert proc.stdout is not None
+            warned = json.loads(proc.stdout.readline())
+        finally:
+            kill_group(proc)
+    finally:
+        c.stop()
+    assert quiet == [], "loopback: no warning"
+    assert warned["level"] == "warning"
+    assert warned["event"] == "serving a non-loopback address without TLS"
+    assert "COHORTGATE_RELAY_TLS_CERT" in warned["advice"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--tls-cert", "/missing.pem", "--tls-key", "/missing.key"], "--tls-cert /missing.pem"),
+        (["--tls-cert", "/missing.pem"], "--tls-cert and --tls-key go together"),
+        (["--rank-grace", "0"], "--rank-grace > 0"),
+    ],
+)
+def test_bad_relay_settings_are_one_line(flags: list[str], said: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "relay", "--upstream", "127.0.0.1:1", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    (line,) = run.stderr.splitlines()
+    assert line.startswith("cohortgate relay: ") and said in line, line

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -19,6 +20,10 @@ from coordinator.contract.settings import SettingError, env_seconds
 from coordinator.decision.checks import policy_help
 from coordinator.edge.auth import TokenStore
 from coordinator.edge.config import ServeConfig, from_env_and_flags
+from coordinator.edge.exposure import check_tls_files
+
+if TYPE_CHECKING:
+    from coordinator.edge.relay import RelayTLS
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -115,8 +120,9 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "one call per node instead of one per rank. Relays also take the groups of relays "
         "below them: point node relays' --upstream at a rack relay (its --local-ranks: every "
         "rank below it) and the coordinator holds one call per rack. Upstream TLS and token "
-        "come from COHORTGATE_TLS_* / the ranks' own tokens; the relay's own port serves in "
-        "clear (no TLS there yet), on loopback unless --listen says otherwise.",
+        "come from COHORTGATE_TLS_* / the ranks' own tokens; the relay's own port serves "
+        "TLS with --tls-cert/--tls-key (COHORTGATE_RELAY_TLS_*), on loopback unless --listen "
+        "says otherwise.",
     )
     p.add_argument(
         "--upstream",
@@ -140,6 +146,18 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="or this many seconds after the first rank joined (default 2; a late local rank "
         "is sent on its own at once)",
     )
+    for name, what in (
+        ("cert", "the relay's server certificate (PEM) for TLS on its own port"),
+        ("key", "its private key (PEM)"),
+        ("client-ca", "require client certificates from this CA (PEM): mutual TLS"),
+    ):
+        var = "COHORTGATE_RELAY_TLS_" + name.upper().replace("-", "_")
+        p.add_argument(
+            f"--tls-{name}",
+            type=Path,
+            default=None,
+            help=f"{what} (default ${var} or off; the upstream's TLS is COHORTGATE_TLS_*)",
+        )
     p.add_argument(
         "--rank-grace",
         type=float,
@@ -173,6 +191,19 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+def _relay_tls(args: argparse.Namespace) -> RelayTLS:
+    """The relay's own TLS: each flag, else its COHORTGATE_RELAY_TLS_* variable."""
+    from coordinator.edge.relay import RelayTLS
+
+    paths = {}
+    for name in ("cert", "key", "client_ca"):
+        given = getattr(args, f"tls_{name}")
+        env = os.environ.get(f"COHORTGATE_RELAY_TLS_{name.upper()}", "").strip()
+        paths[name] = given if given is not None else Path(env) if env else None
+    check_tls_files("--tls", paths["cert"], paths["key"], paths["client_ca"])
+    return RelayTLS(paths["cert"], paths["key"], paths["client_ca"])
+
+
 def cmd_relay(args: argparse.Namespace) -> int:
     from coordinator.cli import logs
     from coordinator.edge.relay import serve_relay
@@ -180,7 +211,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     try:
         if args.rank_grace is None:
             args.rank_grace = env_seconds("COHORTGATE_RELAY_RANK_GRACE", 15.0)
-    except SettingError as exc:
+        tls = _relay_tls(args)
+    except (SettingError, ValueError) as exc:
         print(f"cohortgate relay: {exc}", file=sys.stderr)
         return 2
     if (
@@ -211,6 +243,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
                 local_ranks=args.local_ranks,
                 max_message_bytes=args.max_message_bytes,
                 rank_grace_s=args.rank_grace,
+                tls=tls,
                 port_file=str(args.port_file) if args.port_file else None,
             )
         )

@@ -233,6 +233,9 @@ def _endpoint(
         command="relay",
         new_session=True,
         preexec=_die_with_parent,
+        # Its port is on loopback for this node's workers: in clear, whatever the shell
+        # says for relays that serve a rack.
+        env={k: v for k, v in os.environ.items() if not k.startswith("COHORTGATE_RELAY_TLS")},
     )
     children.append(relay)
     print(f"[cohortgate] relay 127.0.0.1:{relay_port}", file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,6 +19,7 @@ def spawn(
     new_session: bool = False,
     command: str = "serve",
     preexec: Callable[[], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """(the process, its gRPC port). The coordinator (or `command="relay"`, a relay) writes
     its ports to `port_file` once it serves; an exit or a silence past `timeout` raises
@@ -39,6 +40,7 @@ def spawn(
         stderr=subprocess.STDOUT if stdout not in (None, sys.stderr) else None,
         start_new_session=new_session,
         preexec_fn=preexec,  # noqa: PLW1509 (callers that pass one start no threads)
+        env=env,
     )
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:

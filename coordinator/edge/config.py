@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,19 +13,11 @@ from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
 from coordinator.contract.limits import Limits
 from coordinator.decision.checks import Policies, policy_help
 from coordinator.decision.formation import FormationOptions
+from coordinator.edge.exposure import check_tls_files, exposed, is_loopback
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
 DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"
 ENV_PREFIX = "COHORTGATE_"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ServeConfig(BaseModel):
@@ -153,18 +144,12 @@ class ServeConfig(BaseModel):
         )
 
     def check_tls(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        check_tls_files("--tls", self.tls_cert, self.tls_key, self.tls_client_ca)
 
     @property
     def exposed(self) -> bool:
         """True when some port listens beyond loopback."""
-        return any(
-            addr != "off" and not is_loopback(split_host_port(addr)[0])
-            for addr in (self.listen, self.metrics_listen)
-        )
+        return any(exposed(addr) for addr in (self.listen, self.metrics_listen))
 
     @property
     def history_path(self) -> str | None:

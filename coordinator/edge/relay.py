@@ -22,6 +22,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,6 +34,7 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.limits import Limits
+from coordinator.edge.exposure import exposed, server_credentials
 from coordinator.edge.plumbing import (
     RAW_CHUNKS,
     add_service,
@@ -400,6 +402,17 @@ class Relay(pb_grpc.CohortServiceServicer):
         await self.channel.close()
 
 
+@dataclass(frozen=True)
+class RelayTLS:
+    """The relay's own port (what its ranks or lower relays connect to), never its upstream
+    client settings (COHORTGATE_TLS_*): --tls-cert, --tls-key, --tls-client-ca, or
+    COHORTGATE_RELAY_TLS_CERT, _KEY, _CLIENT_CA."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    client_ca: Path | None = None
+
+
 async def serve_relay(
     upstream: str,
     listen: str,
@@ -409,8 +422,10 @@ async def serve_relay(
     port_file: str | None = None,
     max_message_bytes: int = Limits.max_message_bytes,
     rank_grace_s: float = 15.0,
+    tls: RelayTLS | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT."""
+    tls = tls or RelayTLS()
     relay = Relay(
         upstream,
         ClientSecurity.from_env(),
@@ -433,12 +448,20 @@ async def serve_relay(
     add_service(server, "CohortService", relay, raw=RAW_CHUNKS)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = bind(server, "--listen", listen)
+    port = bind(server, "--listen", listen, server_credentials(tls.cert, tls.key, tls.client_ca))
     await server.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     if port_file:
         with open(port_file, "w") as f:
             f.write(f"{port}\n0\n")
+    if exposed(listen) and tls.cert is None:
+        log.warning(
+            "serving a non-loopback address without TLS",
+            listen=listen,
+            advice="every rank's token crosses the network in clear and anyone who reaches "
+            "the port can join its ranks' jobs; see --tls-cert/--tls-key "
+            "(COHORTGATE_RELAY_TLS_CERT/_KEY)",
+        )
     log.info(
         "relaying",
         listen=f"{listen.rpartition(':')[0]}:{port}",
@@ -446,6 +469,7 @@ async def serve_relay(
         local_ranks=local_ranks,
         window_s=window_s,
         rank_grace_s=rank_grace_s,
+        tls="mutual" if tls.client_ca else "on" if tls.cert else "off",
         pid=os.getpid(),
     )
     stop = asyncio.Event()

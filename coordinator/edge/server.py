@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.edge.auth import Auth, TokenStore
 from coordinator.edge.config import ServeConfig
+from coordinator.edge.exposure import server_credentials, unprotected
 from coordinator.edge.http import MetricsServer
 from coordinator.edge.plumbing import RAW_JOINS, add_service, keepalive_server_options
 from coordinator.edge.ports import BindError, bind, check_free
@@ -136,15 +137,8 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         ),
         server,
     )
-    if config.tls_cert is not None and config.tls_key is not None:
-        credentials = grpc.ssl_server_credentials(
-            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
-            root_certificates=config.tls_client_ca.read_bytes() if config.tls_client_ca else None,
-            require_client_auth=config.tls_client_ca is not None,
-        )
-        port = bind(server, "--listen", config.listen, credentials)
-    else:
-        port = bind(server, "--listen", config.listen)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    port = bind(server, "--listen", config.listen, credentials)
     metrics = None
     if config.metrics_listen != "off":
         try:
@@ -161,12 +155,8 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     if coordinator.observer.history is not None:
         await health.set(HISTORY_HEALTH, health_pb2.HealthCheckResponse.SERVING)
         running.tasks.append(asyncio.create_task(_watch_history(coordinator, health)))
-    if config.exposed and (config.tls_cert is None or not auth.enabled):
-        missing = " and ".join(
-            what
-            for what, absent in (("TLS", config.tls_cert is None), ("tokens", not auth.enabled))
-            if absent
-        )
+    missing = unprotected(config.tls_cert is not None, auth.enabled)
+    if config.exposed and missing:
         log.warning(
             "serving a non-loopback address without " + missing,
             advice="anyone who reaches the port can join, read or disturb cohorts; see "

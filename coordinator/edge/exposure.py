@@ -1,0 +1,59 @@
+"""Who can reach a listening port, and what protects it: shared by `serve` and the relay
+(whose import contract reaches only the edge's plumbing, never the service)."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import grpc
+
+from coordinator.contract.addr import split_host_port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposed(addr: str) -> bool:
+    """True when `addr` (HOST:PORT, or 'off') listens beyond loopback."""
+    return addr != "off" and not is_loopback(split_host_port(addr)[0])
+
+
+def check_tls_files(
+    flags: str, cert: Path | None, key: Path | None, client_ca: Path | None
+) -> None:
+    """The server TLS settings go together and name files that exist. `flags` is how the
+    settings are spelled to the user, e.g. '--tls' or '--tls (COHORTGATE_RELAY_TLS_*)'."""
+    if (cert is None) != (key is None):
+        raise ValueError(f"{flags}-cert and {flags}-key go together: give both or neither")
+    if client_ca is not None and cert is None:
+        raise ValueError(f"{flags}-client-ca (mutual TLS) needs {flags}-cert and {flags}-key")
+    for suffix, path in (("cert", cert), ("key", key), ("client-ca", client_ca)):
+        if path is not None and not path.is_file():
+            raise ValueError(f"{flags}-{suffix} {path}: no such file")
+
+
+def server_credentials(
+    cert: Path | None, key: Path | None, client_ca: Path | None
+) -> grpc.ServerCredentials | None:
+    """TLS for a listening port (None: clear text); with `client_ca`, mutual TLS."""
+    if cert is None or key is None:
+        return None
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())],
+        root_certificates=client_ca.read_bytes() if client_ca else None,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def unprotected(tls: bool, tokens: bool | None) -> str | None:
+    """What an exposed port lacks ('TLS', 'TLS and tokens', ...), or None. `tokens` None:
+    the port checks no tokens of its own (a relay passes the ranks' tokens upstream)."""
+    missing = [what for what, absent in (("TLS", not tls), ("tokens", tokens is False)) if absent]
+    return " and ".join(missing) or None
