@@ -4,6 +4,7 @@ with one mismatching rank that every rank refuses with the same report."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -50,8 +51,17 @@ def torchrun(addr: str, job: str, *args: str) -> int:
         str(TRAIN),
         *args,
     ]
-    print("$ COHORTGATE_ADDR=" + addr, "torchrun --nproc-per-node 4 examples/train.py", *args)
+    print(shown_command(addr, job, cmd), flush=True)
     return subprocess.run(cmd, env=env, check=False).returncode
+
+
+def shown_command(addr: str, job: str, cmd: list[str]) -> str:
+    """The command as run, in the words a user would type it: `torchrun` for
+    `python -m torch.distributed.run`, the script relative to the checkout."""
+    words = ["torchrun" if w == "torch.distributed.run" else w for w in cmd[2:]]
+    words = [os.path.relpath(w) if w == str(TRAIN) else w for w in words]
+    env = f"COHORTGATE_ADDR={addr} COHORTGATE_JOB={job} OMP_NUM_THREADS=1"
+    return "$ " + " ".join([env, *(shlex.quote(w) for w in words)])
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -70,6 +71,41 @@ def _fail(addr: str, exc: grpc.RpcError) -> int:
     return 1
 
 
+_GENERATED = re.compile(
+    r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}|run-[0-9a-f]{12}"
+)
+
+
+def _unknown_job(
+    stub: pb_grpc.StatusServiceStub, job: str, metadata: Sequence[tuple[str, str]]
+) -> str:
+    """Why a job may be missing: the recent jobs whose ids torchrun (or cohortgate run)
+    generated, when there are any."""
+    try:
+        reply = stub.ListCohorts(pb.ListCohortsRequest(), timeout=10, metadata=metadata)
+    except grpc.RpcError:
+        return ""
+    recent = sorted(
+        {c.job_id for c in reply.cohorts if _GENERATED.fullmatch(c.job_id)},
+        key=lambda j: -max(c.first_join_unix for c in reply.cohorts if c.job_id == j),
+    )
+    if not recent:
+        return ""
+    shown = ", ".join(recent[:5]) + (f" (and {len(recent) - 5} more)" if len(recent) > 5 else "")
+    return (
+        f"recent jobs with generated ids: {shown}. A one-node torchrun with no "
+        "--rdzv-endpoint and no --master-port replaces --rdzv-id with a random id; set "
+        f"COHORTGATE_JOB={job} (or pass --master-port) to keep yours"
+    )
+
+
+def _say_unknown(addr: str, security: ClientSecurity, job: str) -> None:
+    with security.channel(addr) as channel:
+        hint = _unknown_job(pb_grpc.StatusServiceStub(channel), job, security.metadata)
+    if hint:
+        print(hint, file=sys.stderr)
+
+
 def _dict(msg: Any) -> dict[str, Any]:
     return MessageToDict(
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
@@ -100,6 +136,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     if not reply.cohorts:
         print("no cohorts" + (f" for job {args.job}" if args.job else ""))
+        if args.job:
+            _say_unknown(addr, security, args.job)
         return 0
     print(f"{'JOB':<24} {'ROUND':>5} {'STATE':<8} {'JOINED':>13} {'AGE':>8} REASON")
     for c in reply.cohorts:
@@ -120,6 +158,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
     with security.channel(addr) as channel:
         stub = pb_grpc.StatusServiceStub(channel)
         try:
+            if args.job and not _latest_round(stub, args.job, security.metadata):
+                print(
+                    f"no cohort of job {args.job} on {addr} yet: waiting for its first rank "
+                    "to join (Ctrl-C to stop)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _say_unknown(addr, security, args.job)
             for s in stub.WatchCohorts(
                 pb.WatchCohortsRequest(job_id=args.job), metadata=security.metadata
             ):
@@ -156,11 +202,17 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _latest_round(
+    stub: pb_grpc.StatusServiceStub, job: str, metadata: Sequence[tuple[str, str]]
+) -> int:
+    reply = stub.ListCohorts(pb.ListCohortsRequest(job_id=job), timeout=10, metadata=metadata)
+    return max((c.round for c in reply.cohorts), default=0)
+
+
 def _latest(
     stub: pb_grpc.StatusServiceStub, job: str, round_: int, metadata: Sequence[tuple[str, str]]
 ) -> bool:
-    reply = stub.ListCohorts(pb.ListCohortsRequest(job_id=job), timeout=10, metadata=metadata)
-    return max((c.round for c in reply.cohorts), default=0) <= round_
+    return _latest_round(stub, job, metadata) <= round_
 
 
 def _print_report(
@@ -199,11 +251,40 @@ def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int
     return record
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
+def _explain_from_files(
+    addr: str, args: argparse.Namespace, exc: grpc.RpcError
+) -> pb.VerdictRecord | int:
+    """No coordinator answers (or it does not hold the job): the history files on this
+    machine, the shared one and the one `cohortgate run` kept for this job."""
+    import sqlite3
     from pathlib import Path
 
-    from coordinator.edge.config import DEFAULT_HISTORY
+    from coordinator.edge.config import DEFAULT_HISTORY, run_history
 
+    shared = Path(os.environ.get("COHORTGATE_HISTORY") or DEFAULT_HISTORY).expanduser()
+    files = [f for f in (shared, run_history(args.job)) if f.is_file()]
+    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND) or not files:
+        return _fail_unknown(addr, args, exc)
+    for path in files:
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            print(f"cohortgate: no coordinator answers at {addr}; reading {path}", file=sys.stderr)
+        try:
+            found = _from_file(str(path), args.job, args.round)
+        except sqlite3.Error:  # a file that cannot be read: try the next one
+            continue
+        if found is not None:
+            return found
+    return _fail_unknown(addr, args, exc)
+
+
+def _fail_unknown(addr: str, args: argparse.Namespace, exc: grpc.RpcError) -> int:
+    code = _fail(addr, exc)
+    if exc.code() is grpc.StatusCode.NOT_FOUND:
+        _say_unknown(addr, ClientSecurity.from_env(token=args.token), args.job)
+    return code
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
     addr = _addr(args)
     record: pb.VerdictRecord | int
     if args.history:
@@ -218,15 +299,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                     metadata=security.metadata,
                 )
             except grpc.RpcError as exc:
-                fallback = Path(os.environ.get("COHORTGATE_HISTORY") or DEFAULT_HISTORY)
-                fallback = fallback.expanduser()
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or not fallback.is_file():
-                    return _fail(addr, exc)
-                print(
-                    f"cohortgate: no coordinator answers at {addr}; reading {fallback}",
-                    file=sys.stderr,
-                )
-                record = _explain_file(str(fallback), args)
+                record = _explain_from_files(addr, args, exc)
     if isinstance(record, int):
         return record
     if args.json:

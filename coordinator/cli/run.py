@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from coordinator.cli.launch import (
 )
 from coordinator.cli.spawn import spawn
 from coordinator.contract.addr import split_host_port
+from coordinator.edge.config import run_history
 
 RUN_USAGE = """\
 usage: cohortgate run [--coordinator HOST:PORT] [--no-relay] [--join-deadline S]
@@ -165,6 +167,11 @@ def cmd_run(argv: Sequence[str]) -> int:
             print(RUN_USAGE)
             return 0
         torchrun_args, job = _checked_launch(own, argv)
+        if importlib.util.find_spec("torch") is None:
+            raise LaunchError(
+                "torch is not installed in this Python: torchrun and its workers need it. "
+                "Install the agent's extra: pip install 'cohortgate[agent]'"
+            )
     except (LaunchError, ValueError) as exc:
         return _fail(f"{exc}\n(see cohortgate run --help)")
     env = dict(os.environ)
@@ -176,10 +183,14 @@ def cmd_run(argv: Sequence[str]) -> int:
         try:
             env["COHORTGATE_ADDR"] = _endpoint(own, torchrun_args, Path(tmp), env, children)
             generated = " (generated: pass --rdzv-id to choose it)" if job.generated else ""
-            print(
-                f"[cohortgate] job {job.value}{generated}, coordinator {env['COHORTGATE_ADDR']}",
-                flush=True,
-            )
+            if own.coordinator is None:
+                where = f"coordinator {env['COHORTGATE_ADDR']} (started here)"
+            elif own.relay:
+                where = f"coordinator {own.coordinator} through this node's relay "
+                where += env["COHORTGATE_ADDR"]
+            else:
+                where = f"coordinator {own.coordinator}"
+            print(f"[cohortgate] job {job.value}{generated}, {where}", flush=True)
             if stop.signum:
                 return 128 + stop.signum
             torchrun = subprocess.Popen(
@@ -209,7 +220,10 @@ def _endpoint(
     """The address the workers join: a coordinator started here (single node), a relay to
     the given coordinator (one per node), or that coordinator itself (--no-relay)."""
     if own.coordinator is None:
+        history = run_history(env["COHORTGATE_JOB"])
+        history.parent.mkdir(parents=True, exist_ok=True)
         flags = ["--metrics-listen", "127.0.0.1:0", "--log-format", "console"]
+        flags += ["--history", str(history)]
         if own.deadline is not None:
             flags += ["--join-deadline", own.deadline]
         server, port = spawn(

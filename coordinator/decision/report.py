@@ -214,13 +214,22 @@ def headline(cohort: CohortState, decision: Decision) -> str:
         first = culprits[0]
         ref = refs.get(first.group)
         group = f" in replica group {first.group}" if first.group else ""
-        against = f" ranks {ranges.compress_capped(ref.ranks)}" if ref else " the others"
         more = f" (and {len(culprits) - 1} more class(es))" if len(culprits) > 1 else ""
-        return (
-            f"rank{'s' if len(first.ranks) > 1 else ''} {ranges.compress_capped(first.ranks)} "
-            f"on {_hosts(first.hosts)} built a different model than{against}{group}{more}"
-        )
+        if ref is not None and len(ref.ranks) <= max(len(c.ranks) for c in culprits):
+            # A tie for the most ranks: the reference is only the one holding the lowest
+            # rank, so no side is named as the one that differs.
+            return (
+                f"no majority{group}: {_side(ref)} and {_side(first)} built different models"
+                f"{more}; compare them to find which one is wrong"
+            )
+        against = f" ranks {ranges.compress_capped(ref.ranks)}" if ref else " the others"
+        return f"{_side(first)} built a different model than{against}{group}{more}"
     return _strict_headline(decision)
+
+
+def _side(c: SignatureClass) -> str:
+    ranks = ranges.compress_capped(c.ranks)
+    return f"rank{'s' if len(c.ranks) > 1 else ''} {ranks} on {_hosts(c.hosts)}"
 
 
 def _strict_headline(decision: Decision) -> str:

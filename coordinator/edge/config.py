@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +20,14 @@ from coordinator.edge.exposure import check_tls_files, exposed, is_loopback
 DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
 DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"
 ENV_PREFIX = "COHORTGATE_"
+
+
+def run_history(job_id: str) -> Path:
+    """The history file of the coordinator `cohortgate run` starts for one job: its own, so
+    that no other coordinator's status lists its jobs; `cohortgate explain` looks here too."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", job_id)[:80]
+    tag = hashlib.sha256(job_id.encode()).hexdigest()[:8]
+    return Path(DEFAULT_HISTORY).expanduser().parent / "runs" / f"{safe}-{tag}.sqlite"
 
 
 class ServeConfig(BaseModel):

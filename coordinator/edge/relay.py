@@ -46,6 +46,9 @@ from coordinator.edge.ports import bind
 log = structlog.get_logger("cohortgate.relay")
 
 GroupKey = tuple[str, int, int, str]  # job, world size, round, authorization
+# After a rank leaves, the rest of its group re-join this much later: the ranks of a node
+# that is going down leave within it, and nobody is re-joined for them.
+REGROUP_S = 0.3
 
 
 @dataclass(frozen=True)
@@ -356,8 +359,7 @@ class Relay(pb_grpc.CohortServiceServicer):
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
                 # Our own cancel (a rank left) ends the iteration with CancelledError.
                 if group.regroup:
-                    group.regroup = False
-                    log.info("rank left; re-joining the rest", job=group.key[0])
+                    await self._regroup(group)
                     continue
                 if isinstance(exc, asyncio.CancelledError):
                     raise
@@ -371,6 +373,16 @@ class Relay(pb_grpc.CohortServiceServicer):
             for events in {id(r.events): r.events for r in members.values()}.values():
                 events.put_nowait(status)
             return
+
+    @staticmethod
+    async def _regroup(group: _Group) -> None:
+        """Ranks of a node die together (a Ctrl-C, torchrun tearing its workers down): one
+        pause gathers them, so the rest re-join once, not once per dying rank (each re-join
+        was a round abandoned upstream)."""
+        await asyncio.sleep(REGROUP_S)
+        group.regroup = False
+        if group.ranks:
+            log.info("rank left; re-joining the rest", job=group.key[0])
 
     def _dispatch(self, event: pb.JoinEvent, members: dict[int, _Rank]) -> None:
         kind = event.WhichOneof("event")

@@ -44,7 +44,11 @@ def state_of(cohort: LiveCohort) -> str:
 def summarize(cohort: LiveCohort, now: float, options: FormationOptions) -> CohortSummary:
     state = cohort.state
     verdict = cohort.verdict
-    if verdict is None:
+    if cohort.abandoned_at is not None:
+        joined = 0
+        missing = ""
+        reason = "every rank left before a verdict; the next join opens a new round"
+    elif verdict is None:
         joined = len(state.members)
         missing = cohort.missing_text()
         reason = cohort.last_reason
