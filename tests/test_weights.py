@@ -418,3 +418,16 @@ def test_digests_pass_through_a_relay(strict: tuple[str, Path], tmp_path: Path) 
     assert "1 rank(s) [3] on node0 hold other weights" in verdicts[0].refusal.report
     uploads = [e for e in log_events(log) if e.get("event") == "weight digests uploaded"]
     assert sorted(e["rank"] for e in uploads) == [0, 3]
+
+
+def test_a_refusal_where_only_some_classes_differ_in_buffers_is_about_values(
+    strict: tuple[str, Path],
+) -> None:
+    """Rank 2 differs only in a buffer, rank 3 in a parameter: not every pair differs only
+    in buffers, so the refusal is about the values, not the config's buffers."""
+    addr, _ = strict
+    models = {r: Rotary(500000.0 if r == 2 else 10000.0) for r in range(4)}
+    flip_one_bit(models[3].proj.weight, 5)
+    report = cohort(addr, "rope-and-seed", models)[0].refusal.report
+    assert "buffers computed from the model config differ" not in report, report
+    assert "replicas start from different weights" in report, report
