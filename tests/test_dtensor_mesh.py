@@ -15,7 +15,7 @@ import torch
 from agent.digest import tensor_digest
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 WORKER = textwrap.dedent(
     """

@@ -149,3 +149,14 @@ def test_wire_job_id_limit_is_its_own() -> None:
     request = join_request("k" * 300, 0, 1, manifest_of())
     with pytest.raises(InvalidArgument, match="256"):
         join_intent(pb.JoinRequest.FromString(request.SerializeToString()))
+
+
+def test_tokens_shorter_than_16_characters_are_refused(tmp_path: object) -> None:
+    from pathlib import Path
+
+    tokens = Path(str(tmp_path)) / "tokens"
+    tokens.write_text("a" * 15 + " job-a\n")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        TokenStore.load(tokens)
+    tokens.write_text("a" * 16 + " job-a\n")
+    assert TokenStore.load(tokens).grant([("authorization", "Bearer " + "a" * 16)]).scope == "job-a"
