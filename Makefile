@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps demo test lint typecheck unit proto proto-check bench clean
+.PHONY: venv system-deps demo test lint typecheck unit proto proto-check bench clean mutation
 
 venv: $(STAMP)
 
@@ -60,6 +60,14 @@ proto: venv
 
 proto-check: venv
 	$(PY) scripts/gen_proto.py --check
+
+## mutation: mutants of the verdict, security and digest code (pyproject's [tool.mutmut])
+## against the tests that start no torchrun job; about an hour on 2 cores; not part of test
+mutation: venv
+	$(PY) -m pip install -q mutmut==3.8.1
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results --all true | awk '{print $$NF}' | sort | uniq -c
 
 bench: venv
 	$(PY) bench/bench_signature.py
