@@ -392,3 +392,9 @@ def serving_pid(log: Path) -> int:
         if event.get("event") == "serving":
             return int(event["pid"])
     raise AssertionError("no 'serving' line in the coordinator log")
+
+
+def examples(n: int) -> int:
+    """A property test's example count; `make mutation` runs each mutant's tests with a
+    tenth of them (COHORTGATE_EXAMPLES_SCALE=0.1), at least 20."""
+    return max(20, int(n * float(os.environ.get("COHORTGATE_EXAMPLES_SCALE", "1"))))

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.decision import coverage, parity
+from tests.helpers import examples
 
 
 def brute(
@@ -77,7 +78,7 @@ def arrays(
     return offsets, lengths
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(layouts())
 def test_parity_says_tiles_exactly_when_every_cell_is_held_once(layout) -> None:  # type: ignore[no-untyped-def]
     shape, pieces = layout
@@ -85,7 +86,7 @@ def test_parity_says_tiles_exactly_when_every_cell_is_held_once(layout) -> None:
     assert parity.tiles(shape, offsets, lengths) == bool((brute(shape, pieces) == 1).all())
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(layouts())
 def test_the_parity_path_names_real_problems_and_only_real_ones(layout) -> None:  # type: ignore[no-untyped-def]
     shape, pieces = layout
@@ -108,7 +109,7 @@ def test_the_parity_path_names_real_problems_and_only_real_ones(layout) -> None:
             assert (held[box] >= 2).all(), p.detail
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(layouts())
 def test_the_coverage_check_agrees_with_the_brute_force_count(layout) -> None:  # type: ignore[no-untyped-def]
     shape, pieces = layout

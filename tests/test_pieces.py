@@ -19,7 +19,7 @@ from coordinator.decision.checks.base import Level
 from coordinator.decision.checks.coverage import DETAILED, CoverageCheck
 from coordinator.decision.coverage import OUTSIDE_NAMED
 from coordinator.decision.pieces import CONFLICTS_NAMED, LARGE, CohortPieces
-from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_rank
+from tests.helpers import InProcessCoordinator, examples, join_request, manifest_of, run_rank
 from tests.test_parity import brute
 from tests.test_parity import layouts as tensor_layouts
 
@@ -89,7 +89,7 @@ def cohorts(draw: st.DrawFn) -> tuple[dict[int, Layout], dict[str, bool]]:
     return layouts, tiles
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(cohorts())
 def test_every_tensor_at_once_agrees_with_the_brute_force_count(cohort) -> None:  # type: ignore[no-untyped-def]
     layouts, tiles = cohort

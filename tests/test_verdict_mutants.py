@@ -160,3 +160,37 @@ def test_tokens_shorter_than_16_characters_are_refused(tmp_path: object) -> None
         TokenStore.load(tokens)
     tokens.write_text("a" * 16 + " job-a\n")
     assert TokenStore.load(tokens).grant([("authorization", "Bearer " + "a" * 16)]).scope == "job-a"
+
+
+def test_grants_name_what_is_wrong_with_a_call(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from coordinator.contract.errors import Unauthenticated
+
+    tokens = Path(str(tmp_path)) / "tokens"
+    tokens.write_text("# ops\nadmin-token-0123456789 *  # every job\njob-token-0123456789 job-b\n")
+    tokens.chmod(0o600)
+    store = TokenStore.load(tokens)
+    assert TokenStore.exposure(tokens) is None
+    tokens.chmod(0o640)
+    assert "has mode 640" in (TokenStore.exposure(tokens) or "")
+    auth = Auth(store)
+    admin = auth.check_job([("authorization", b"Bearer admin-token-0123456789")], "any-job")
+    assert admin.admin
+    assert not auth.check_job([("authorization", "bearer job-token-0123456789")], "job-b").admin
+    for metadata, said in (
+        ([], "no token: send 'authorization: Bearer TOKEN'"),
+        ([("authorization", "Basic abc")], "must be 'Bearer TOKEN'"),
+        ([("authorization", "Bearer ")], "must be 'Bearer TOKEN'"),
+        ([("authorization", "Bearer not-a-token-at-all")], "not valid on this coordinator"),
+    ):
+        with pytest.raises(Unauthenticated, match=said):
+            auth.check_job(metadata, "job-b")
+    with pytest.raises(PermissionDenied, match="cannot reach job 'job-c'"):
+        auth.check_job([("authorization", "Bearer job-token-0123456789")], "job-c")
+    tokens.write_text("one two three\n")
+    with pytest.raises(ValueError, match=":1: expected 'TOKEN JOB_ID'"):
+        TokenStore.load(tokens)
+    tokens.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no tokens"):
+        TokenStore.load(tokens)
