@@ -113,17 +113,6 @@ class Auth:
     def enabled(self) -> bool:
         return self.store is not None
 
-    @staticmethod
-    def exposure(path: Path) -> str | None:
-        """A warning when others than the owner may read the tokens file, else None."""
-        mode = path.stat().st_mode & 0o777
-        if not mode & 0o077:
-            return None
-        return (
-            f"--tokens-file {path} has mode {mode:o}: others on this machine can read every "
-            f"token; run chmod 600 {path}"
-        )
-
     def grant(self, metadata: Sequence[tuple[str, str | bytes]]) -> Grant:
         if self.store is None:
             return Grant(ADMIN)
