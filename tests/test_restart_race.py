@@ -190,3 +190,29 @@ def test_a_torchrun_restart_after_the_decision_opens_a_new_round() -> None:
     assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     progress = restart.progress  # type: ignore[attr-defined]
     assert progress and progress[0].round == 2, "waits in a new round"
+
+
+def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_round() -> None:
+    """A successor's incarnation is remembered with its round; once that round is forgotten
+    (ROUNDS_KEPT newer rounds), its re-join is a join like any other, not a lookup of a
+    round that is gone."""
+    from coordinator.decision.formation import FormationOptions
+    from coordinator.state.memory import ROUNDS_KEPT, MemoryStore
+
+    now = [0.0]
+    store = MemoryStore(FormationOptions(), lambda: now[0])
+
+    def form(m: Member) -> None:
+        result = store.join(JoinIntent("forgot", 0, m, 1))
+        result.cohort.state.manifests[m.signature] = M  # type: ignore[assignment]
+        store.evaluate(result.cohort)
+        assert result.cohort.verdict is not None and result.cohort.verdict.outcome.value == "formed"
+
+    form(member(0))
+    successor = member(0)
+    assert store.join(JoinIntent("forgot", 0, successor, 1)).successor
+    for generation in range(1, ROUNDS_KEPT + 1):
+        now[0] += 60.0
+        form(member(0, restart_count=generation))
+    again = store.join(JoinIntent("forgot", 0, successor, 1))
+    assert not again.replayed and again.cohort.round == ROUNDS_KEPT + 2

@@ -201,10 +201,13 @@ class MemoryStore(CohortStore):
         return LiveCohort(CohortState(intent.job_id, round_, intent.world_size, first_join_at=now))
 
     def _forget_old_rounds(self, job: Job) -> None:
-        for old in sorted(job.rounds)[:-ROUNDS_KEPT]:
-            cohort = job.rounds.pop(old)
-            for m in cohort.state.members.values():
-                job.incarnations.pop(m.incarnation, None)
+        old = sorted(job.rounds)[:-ROUNDS_KEPT]
+        if not old:
+            return
+        for round_ in old:
+            del job.rounds[round_]
+        # Members' incarnations and their successors' (see _successor) alike.
+        job.incarnations = {i: r for i, r in job.incarnations.items() if r in job.rounds}
 
     # -- departures --------------------------------------------------------------------
     def leave(self, cohort: LiveCohort, member: Member) -> list[Member]:
