@@ -54,10 +54,6 @@ class ClientSecurity:
                     f"{name}={file}: no such file; give a PEM file readable here "
                     "(or unset the variable)"
                 )
-        if (cert is None) != (key is None):
-            raise SettingError(
-                "COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together: give both or neither"
-            )
         tls = bool(ca or cert) or env.get("COHORTGATE_TLS", "").lower() in ("1", "true", "yes")
         return cls(
             token=token_text("--token" if token else "COHORTGATE_TOKEN", token)
@@ -95,7 +91,9 @@ class ClientSecurity:
         if not self.tls:
             return None, opts
         if (self.cert is None) != (self.key is None):
-            raise SettingError("COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together")
+            raise SettingError(
+                "COHORTGATE_TLS_CERT and COHORTGATE_TLS_KEY go together: give both or neither"
+            )
         credentials = grpc.ssl_channel_credentials(
             root_certificates=_pem("COHORTGATE_TLS_CA", self.ca),
             private_key=_pem("COHORTGATE_TLS_KEY", self.key),

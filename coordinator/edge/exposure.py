@@ -28,8 +28,8 @@ def exposed(addr: str) -> bool:
 def check_tls_files(
     flags: str, cert: Path | None, key: Path | None, client_ca: Path | None
 ) -> None:
-    """The server TLS settings go together and name files that exist. `flags` is how the
-    settings are spelled to the user, e.g. '--tls' or '--tls (COHORTGATE_RELAY_TLS_*)'."""
+    """The server TLS settings go together and name files that exist. `flags` is the flags'
+    common prefix as the user spells them ('--tls' for --tls-cert, --tls-key, ...)."""
     if (cert is None) != (key is None):
         raise ValueError(f"{flags}-cert and {flags}-key go together: give both or neither")
     if client_ca is not None and cert is None:

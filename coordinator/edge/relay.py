@@ -111,7 +111,6 @@ class _Outage:
 
     async def wait(
         self,
-        group: _Group,
         members: dict[int, _Rank],
         dispatch: Callable[[pb.JoinEvent, dict[int, _Rank]], None],
     ) -> None:
@@ -367,7 +366,7 @@ class Relay(pb_grpc.CohortServiceServicer):
                     # The link or the coordinator went (a partition, a restart): the
                     # ranks stay held here and the group re-joins once it answers again.
                     lost = lost or _Outage(self.upstream, group, exc.details() or "")
-                    await lost.wait(group, members, self._dispatch)
+                    await lost.wait(members, self._dispatch)
                     continue
                 status = _Status(exc.code(), exc.details() or "")
             for events in {id(r.events): r.events for r in members.values()}.values():
@@ -379,8 +378,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         """Ranks of a node die together (a Ctrl-C, torchrun tearing its workers down): one
         pause gathers them, so the rest re-join once, not once per dying rank (each re-join
         was a round abandoned upstream)."""
-        await asyncio.sleep(REGROUP_S)
-        group.regroup = False
+        await asyncio.sleep(REGROUP_S)  # _run clears group.regroup before the re-join
         if group.ranks:
             log.info("rank left; re-joining the rest", job=group.key[0])
 

@@ -60,7 +60,6 @@ class WatchHub:
         self._fanout_started = 0.0
         self._fanout_left = 0  # watchers notified at the last tick and not yet drained
         self._fanout_s = 0.0  # how long the last fan-out took, tick to last drain
-        self.sent = 0  # summaries handed to watchers (for the benches and tests)
         self.closing = False
 
     @property
@@ -146,7 +145,6 @@ class WatchHub:
                 w.event.clear()
                 batch, w.outbox = list(w.outbox.values()), {}
                 for summary in batch:
-                    self.sent += 1
                     yield summary
                 self._drained(w)
         finally:
