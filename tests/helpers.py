@@ -23,6 +23,7 @@ import grpc
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
+from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.edge.config import ServeConfig
@@ -107,10 +108,12 @@ def run_rank(
     manifest: Manifest,
     timeout: float = 30.0,
     upload: Manifest | None = None,
+    security: ClientSecurity | None = None,
 ) -> RankResult:
-    """One rank: join, upload when asked, collect progress, return the verdict or error."""
+    """One rank: join, upload when asked, collect progress, return the verdict or error.
+    `security`: TLS to present (default: a plain-text channel)."""
     result = RankResult(request.rank)
-    with grpc.insecure_channel(addr) as channel:
+    with (security or ClientSecurity()).channel(addr) as channel:
         stub = pb_grpc.CohortServiceStub(channel)
         try:
             for event in stub.Join(request, timeout=timeout):

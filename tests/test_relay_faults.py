@@ -18,9 +18,7 @@ import grpc
 import pytest
 
 from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.cli.spawn import spawn
-from coordinator.codec import wire
 from coordinator.codec.channel import ClientSecurity
 from tests.helpers import (
     REPO,
@@ -213,22 +211,16 @@ def test_a_relay_behind_a_slow_link_forms(tmp_path: Path) -> None:
 # -- the relay's own port: TLS -------------------------------------------------------------
 def _join_through(addr: str, security: ClientSecurity, job: str) -> pb.Verdict:
     m = manifest_of()
-    request = join_request(job, 0, 1, m)
-    with security.channel(addr) as channel:
-        stub = pb_grpc.CohortServiceStub(channel)
-        for event in stub.Join(request, timeout=10):
-            if event.WhichOneof("event") == "manifest_request":
-                answer = wire.manifest_answer(request, event.manifest_request.round, m)
-                stub.UploadManifestChunks(wire.upload_chunks(answer), timeout=10)
-            elif event.WhichOneof("event") == "verdict":
-                return event.verdict
-    raise AssertionError("no verdict")
+    result = run_rank(addr, join_request(job, 0, 1, m), m, 10, security=security)
+    assert result.verdict is not None, result.error
+    return result.verdict
 
 
 def _refused_handshake(addr: str, security: ClientSecurity) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as err:
-        _join_through(addr, security, "tls-no")
-    return err.value.code()
+    m = manifest_of()
+    result = run_rank(addr, join_request("tls-no", 0, 1, m), m, 10, security=security)
+    assert result.error is not None and result.verdict is None
+    return result.error.code()
 
 
 @pytest.mark.timeout(90)
