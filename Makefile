@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps demo test lint typecheck unit proto proto-check bench clean mutation
+.PHONY: venv system-deps demo test test-fast lint typecheck unit proto proto-check bench clean mutation
 
 venv: $(STAMP)
 
@@ -44,8 +44,14 @@ system-deps: venv
 	  dpkg-deb -x $(VENV)/debs/prometheus_*.deb $(VENV)/prometheus; fi
 
 ## test: everything CI runs: generated-code check, ruff, import contracts, mypy, pytest
+## (every tier), with the 15 slowest tests printed
 test: venv system-deps proto-check lint typecheck
-	PATH="$(abspath $(PROM)):$$PATH" $(PY) -m pytest -q
+	PATH="$(abspath $(PROM)):$$PATH" $(PY) -m pytest -q --durations=15
+
+## test-fast: the fast tier, for every change: no real torchrun job, browser or test that
+## waits out a timeout (markers e2e and slow); under 2 minutes on 2 cores
+test-fast: venv system-deps
+	PATH="$(abspath $(PROM)):$$PATH" $(PY) -m pytest -q -m "not e2e and not slow" --durations=10
 
 lint: venv
 	$(VENV)/bin/ruff format --check .

@@ -27,9 +27,10 @@ import numpy as np
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.codec import wire
 from coordinator.contract.layout import Layout, PieceColumns
-from coordinator.decision.checks.base import Context, Level
+from coordinator.decision.checks.base import Context
 from coordinator.decision.checks.coverage import CoverageCheck
 from coordinator.decision.coverage import Piece, check, check_arrays
+from coordinator.decision.verdict import Level
 
 RANK_PIECES = 62_500  # under the per-rank limit (100,000)
 
@@ -114,7 +115,7 @@ def through_the_check(name: str, wires: list[bytes], repeats: int, expect: list[
         ctx = Context(
             cohort=SimpleNamespace(world_size=len(layouts)),  # type: ignore[arg-type]
             now=0.0,
-            manifest_timeout_s=0.0,
+            uploads_due=0.0,
             levels={"layout": Level.STRICT},
             layouts=layouts,
         )

@@ -26,8 +26,12 @@ from coordinator.codec import wire
 from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.decision.formation import FormationOptions
+from coordinator.decision.report import judge
+from coordinator.decision.verdict import Decision
 from coordinator.edge.config import ServeConfig
 from coordinator.edge.server import RunningServer, start
+from coordinator.state.base import CohortStore, LiveCohort
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -401,3 +405,12 @@ def examples(n: int) -> int:
     """A property test's example count; `make mutation` runs each mutant's tests with a
     tenth of them (COHORTGATE_EXAMPLES_SCALE=0.1), at least 20."""
     return max(20, int(n * float(os.environ.get("COHORTGATE_EXAMPLES_SCALE", "1"))))
+
+
+def decide_in(
+    store: CohortStore, cohort: LiveCohort, now: float, options: FormationOptions | None = None
+) -> Decision | None:
+    """What the service does after a change, for store-level tests: judge the cohort, keep
+    the result in the store (None when the store says it was settled meanwhile)."""
+    decision, verdict = judge(cohort.state, now, options or FormationOptions())
+    return decision if store.apply(cohort, decision, verdict, now) else None

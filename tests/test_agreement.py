@@ -11,9 +11,10 @@ from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.contract.fingerprint import Fields, config_fields, fields_of, flatten
 from coordinator.contract.layout import layout
 from coordinator.decision.checks import Level, Policies
-from coordinator.decision.cohort import Cause, CohortState, Member, Outcome
+from coordinator.decision.cohort import CohortState, Member
 from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import judge
+from coordinator.decision.verdict import Cause, Outcome
 from tests.helpers import InProcessCoordinator, join_request, manifest_of
 
 OPTS = FormationOptions(join_deadline_s=60)
@@ -131,6 +132,7 @@ def test_many_differing_fields_are_capped_with_a_count() -> None:
     assert "config.f20" not in report and "and 10 more differing field(s)" in report
 
 
+@pytest.mark.slow
 def test_hugging_face_configs_are_named_by_their_standard_fields() -> None:
     import transformers
 

@@ -8,20 +8,24 @@ import pytest
 from coordinator.contract.digests import DIGEST_BYTES, combine
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.decision.checks import Policies
-from coordinator.decision.cohort import Cause, Member, Outcome, UploadKind
+from coordinator.decision.cohort import Member, UploadKind
 from coordinator.decision.formation import FormationOptions
+from coordinator.decision.verdict import Cause, Outcome
 from coordinator.state.asks import UploadRef
 from coordinator.state.base import InvalidUpload, JoinIntent
 from coordinator.state.memory import MemoryStore
+from tests.helpers import decide_in
 
 MANIFEST = Manifest.of([Entry(Kind.PARAMETER, "w", "float32", (4, 4), True)])
 PER_TENSOR = {d: [bytes([d]) * DIGEST_BYTES] for d in (1, 2)}
 WEIGHTS = {d: combine(zip(["w"], PER_TENSOR[d], strict=True)) for d in (1, 2)}
 
 
+OPTIONS = FormationOptions(policies=Policies.parse(["weights=strict"]))
+
+
 def _registry() -> MemoryStore:
-    options = FormationOptions(policies=Policies.parse(["weights=strict"]))
-    return MemoryStore(options, clock=lambda: 100.0)
+    return MemoryStore(clock=lambda: 100.0)
 
 
 def _join(registry: MemoryStore, rank: int, digest: int) -> Member:
@@ -49,7 +53,7 @@ def test_a_digest_ask_is_handed_over_when_its_rank_leaves() -> None:
     assert cohort is not None
     assert [a.kind for a in cohort.asks.of(members[0])] == [UploadKind.MANIFEST]
     registry.upload(_ref(members[0]), MANIFEST, MANIFEST.signature())
-    decision = registry.evaluate(cohort)
+    decision = decide_in(registry, cohort, 100.0, OPTIONS)
     assert decision is not None and decision.outcome is Outcome.WAITING
     assert [a.kind for a in cohort.asks.of(members[0])] == [UploadKind.DIGESTS]
     assert [a.kind for a in cohort.asks.of(members[2])] == [UploadKind.DIGESTS]
@@ -67,10 +71,10 @@ def test_digests_that_do_not_combine_refuse_as_digests_not_as_a_manifest() -> No
     cohort = registry.find("job")
     assert cohort is not None
     registry.upload(_ref(members[0]), MANIFEST, MANIFEST.signature())
-    registry.evaluate(cohort)
+    decide_in(registry, cohort, 100.0, OPTIONS)
     with pytest.raises(InvalidUpload, match="do not combine to the weights digest"):
         registry.upload_digests(_ref(members[2]), PER_TENSOR[1])  # rank 2 holds digest 2
-    registry.evaluate(cohort)
+    decide_in(registry, cohort, 100.0, OPTIONS)
     verdict = cohort.verdict
     assert verdict is not None and verdict.cause is Cause.MANIFEST_INVALID
     assert "digest list(s) did not combine" in verdict.reason
@@ -82,7 +86,7 @@ def test_digests_that_do_not_combine_refuse_as_digests_not_as_a_manifest() -> No
 def test_a_rejoin_naming_an_abandoned_round_is_over_once_the_next_round_is_decided() -> None:
     from coordinator.contract.errors import FailedPrecondition
 
-    store = MemoryStore(FormationOptions(), clock=lambda: 100.0)
+    store = MemoryStore(clock=lambda: 100.0)
 
     def member(rank: int, incarnation: str) -> Member:
         return Member(rank, "h", 1, incarnation, MANIFEST.signature(), 1)
@@ -98,6 +102,6 @@ def test_a_rejoin_naming_an_abandoned_round_is_over_once_the_next_round_is_decid
     second = store.find("j")
     assert second is not None and second.round == 2
     store.upload(UploadRef("j", 2, 0, "second"), MANIFEST, MANIFEST.signature())
-    assert store.evaluate(second) is not None and second.verdict is not None  # formed
+    assert decide_in(store, second, 100.0) is not None and second.verdict is not None  # formed
     with pytest.raises(FailedPrecondition, match="round 1 of job 'j' is over"):
         store.join(JoinIntent("j", 1, member(0, "third"), 1))

@@ -81,6 +81,7 @@ def test_torchruns_option_table_matches_torch() -> None:
     }
 
 
+@pytest.mark.slow
 def test_run_refuses_typos_missing_scripts_and_unjoinable_multinode_before_starting(
     tmp_path: Path,
 ) -> None:
@@ -114,6 +115,7 @@ def _health(addr: str) -> int:
         return int(reply.status)
 
 
+@pytest.mark.slow
 def test_a_second_serve_or_relay_on_a_held_address_fails_in_one_line(tmp_path: Path) -> None:
     port = free_port()
     with coordinator_process(tmp=tmp_path, listen=f"127.0.0.1:{port}") as (addr, _):
@@ -146,6 +148,7 @@ def test_a_second_serve_or_relay_on_a_held_address_fails_in_one_line(tmp_path: P
         assert _health(addr) == 1  # the first one still serves
 
 
+@pytest.mark.slow
 def test_start_up_errors_are_one_line_naming_the_address() -> None:
     for listen, words in (
         ("nonsense", "--listen: 'nonsense' is not HOST:PORT"),
@@ -193,6 +196,7 @@ def _agent(addr: str, timeout_s: float, tmp: Path, rank: int = 0) -> subprocess.
     )
 
 
+@pytest.mark.slow
 def test_no_coordinator_is_reported_by_rank_0_within_10s_and_named_at_the_end(
     tmp_path: Path,
 ) -> None:
@@ -217,6 +221,7 @@ def test_no_coordinator_is_reported_by_rank_0_within_10s_and_named_at_the_end(
     assert "cannot reach" in (tmp_path / "error-0.json").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("addr", ["localhost", "http://127.0.0.1:7073", "127.0.0.1:7073/"])
 def test_a_malformed_address_fails_at_once_naming_the_form(addr: str, tmp_path: Path) -> None:
     proc = _agent(addr, 60, tmp_path, rank=1)
@@ -378,6 +383,7 @@ def _readme_commands() -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_every_flag_the_readme_names_exists() -> None:
     """Each `cohortgate CMD ...` and `examples/*.py ...` the README shows: every --flag it
     uses is in that command's --help (for run: cohortgate run's, or torchrun's options)."""
@@ -445,6 +451,7 @@ def test_every_help_line_states_its_default() -> None:
     assert "(default 600" in cli("run", "--help").stdout
 
 
+@pytest.mark.slow
 def test_explain_reads_the_history_file_when_no_coordinator_answers(tmp_path: Path) -> None:
     history = tmp_path / "history.sqlite"
     with coordinator_process("--join-deadline", "30", tmp=tmp_path) as (addr, _):

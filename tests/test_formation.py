@@ -8,15 +8,10 @@ from hypothesis import strategies as st
 
 from coordinator.contract import ranges
 from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.cohort import (
-    Cause,
-    CohortState,
-    Member,
-    Outcome,
-    UploadKind,
-    signature_classes,
-)
+from coordinator.decision.classes import signature_classes
+from coordinator.decision.cohort import CohortState, Member, UploadKind
 from coordinator.decision.formation import FormationOptions, decide
+from coordinator.decision.verdict import Cause, Outcome
 
 SIG_A = b"a" * 32
 SIG_B = b"b" * 32

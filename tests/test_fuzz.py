@@ -155,6 +155,7 @@ def test_join_fuzz(fuzzed: Fuzzed, request: pb.JoinRequest, cancel_early: bool) 
     code_of(call, waits=True)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(members=st.lists(join_requests, max_size=4))
 def test_join_group_fuzz(fuzzed: Fuzzed, members: list[pb.JoinRequest]) -> None:
@@ -247,6 +248,7 @@ def test_upload_fuzz(
     code_of(lambda: fuzzed.cohort.UploadManifestChunks(wire.upload_chunks(request), timeout=5))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(job=ODD_TEXT, round_=U32)
 def test_status_fuzz(fuzzed: Fuzzed, job: str, round_: int) -> None:

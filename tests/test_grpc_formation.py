@@ -91,6 +91,7 @@ def test_a_heavy_decision_made_off_the_loop_gives_the_same_verdicts(
     assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in formed)
 
 
+@pytest.mark.slow
 def test_a_silent_manifest_holder_is_passed_over_for_another_rank_of_its_signature(
     coord: InProcessCoordinator,
 ) -> None:

@@ -58,6 +58,7 @@ def _wait_for(check: object, what: str, within: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_locked_history_changes_no_verdict_and_is_written_once_released(
     tmp_path: Path,
 ) -> None:
@@ -159,6 +160,7 @@ def _namespaced(before: str, after: str) -> object:
         pytest.param('mount -o remount,ro "$D"', "true", id="read-only"),
     ],
 )
+@pytest.mark.slow
 def test_a_full_or_read_only_history_filesystem_changes_no_verdict(
     tmp_path: Path, before: str, after: str
 ) -> None:

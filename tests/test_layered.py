@@ -15,8 +15,9 @@ from coordinator.contract.layout import (
 )
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.decision.checks import Policies
-from coordinator.decision.cohort import Cause, CohortState, Member, Outcome
+from coordinator.decision.cohort import CohortState, Member
 from coordinator.decision.formation import FormationOptions, decide
+from coordinator.decision.verdict import Cause, Outcome
 
 
 def manifest(rows: int) -> Manifest:

@@ -53,7 +53,7 @@ def cli(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProc
 
 # -- a 2-2 split names no culprit -------------------------------------------------------
 def _split_headline(sizes: tuple[int, int]) -> str:
-    store = MemoryStore(FormationOptions(), time.time)
+    store = MemoryStore(time.time)
     narrow, wide = manifest_of(4), manifest_of(8)
     world = sum(sizes)
     for rank in range(world):
@@ -85,6 +85,7 @@ def test_a_tie_between_two_models_names_both_sides_and_no_culprit() -> None:
 
 
 # -- a node going down abandons one round, not one per rank ------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_ranks_of_a_relayed_node_dying_together_abandon_one_round(tmp_path: Path) -> None:
     c = InProcessCoordinator(join_deadline=60.0)
@@ -193,6 +194,7 @@ def test_a_run_keeps_its_own_history_and_explain_finds_it_after(
 
 
 # -- examples, the demo, the install ------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_example_names_an_unreachable_coordinator_in_one_line(tmp_path: Path) -> None:
     env = {

@@ -149,6 +149,7 @@ def test_status_list_detail_and_watch(coord: InProcessCoordinator) -> None:
 
 
 # -- the status page -------------------------------------------------------------------
+@pytest.mark.e2e
 def test_status_page_in_headless_chromium_shows_missing_ranks(
     coord: InProcessCoordinator, tmp_path: Path
 ) -> None:
@@ -213,6 +214,7 @@ def test_status_json_and_metrics_endpoint(coord: InProcessCoordinator) -> None:
 
 
 # -- Prometheus itself -------------------------------------------------------------------
+@pytest.mark.slow
 def test_real_prometheus_scrapes_and_answers_promql(
     coord: InProcessCoordinator, tmp_path: Path
 ) -> None:
@@ -303,6 +305,7 @@ def _cli(*args: str, addr: str, timeout: float = 30) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.slow
 def test_history_survives_kill_9_and_explain_shows_the_refusal(tmp_path: Path) -> None:
     ref, wide = manifest_of(4), manifest_of(8)
     with coordinator_process(tmp=tmp_path) as (addr, log):
@@ -410,6 +413,7 @@ def test_a_watcher_gets_at_most_one_update_per_job_per_watch_interval() -> None:
     assert joined == sorted(joined) and seen[-1].state == pb.COHORT_STATE_FORMED
 
 
+@pytest.mark.slow
 def test_status_and_watch_cli(coord: InProcessCoordinator) -> None:
     pool = hold_partial_cohort(coord, "cli-job", [0, 1], 3)
     try:
@@ -442,6 +446,7 @@ def test_cli_without_a_coordinator_says_where_it_looked() -> None:
     assert "COHORTGATE_ADDR" in out.stderr
 
 
+@pytest.mark.slow
 def test_every_command_has_help() -> None:
     for command in ([], ["serve"], ["status"], ["watch"], ["explain"], ["run"]):
         out = subprocess.run([*CLI, *command, "--help"], capture_output=True, text=True, timeout=30)
@@ -465,6 +470,7 @@ def test_sigterm_ends_waiting_joins_with_unavailable(tmp_path: Path) -> None:
     assert "shutting down" in (result.error.details() or "")
 
 
+@pytest.mark.slow
 def test_agents_retry_against_a_restarted_coordinator(tmp_path: Path) -> None:
     from coordinator.api.v1 import cohort_pb2 as pb
 

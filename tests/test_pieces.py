@@ -15,10 +15,10 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.codec import wire
 from coordinator.contract.errors import InvalidArgument
 from coordinator.contract.layout import Layout, PieceColumns, ShardPiece, layout
-from coordinator.decision.checks.base import Level
 from coordinator.decision.checks.coverage import DETAILED, CoverageCheck
 from coordinator.decision.coverage import OUTSIDE_NAMED
 from coordinator.decision.pieces import CONFLICTS_NAMED, LARGE, CohortPieces
+from coordinator.decision.verdict import Level
 from tests.helpers import InProcessCoordinator, examples, join_request, manifest_of, run_rank
 from tests.test_parity import brute
 from tests.test_parity import layouts as tensor_layouts
@@ -89,6 +89,7 @@ def cohorts(draw: st.DrawFn) -> tuple[dict[int, Layout], dict[str, bool]]:
     return layouts, tiles
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(400), deadline=None)
 @given(cohorts())
 def test_every_tensor_at_once_agrees_with_the_brute_force_count(cohort) -> None:  # type: ignore[no-untyped-def]

@@ -76,6 +76,7 @@ def rank_process(addr: str, job: str, rank: int, world: int) -> subprocess.Popen
     return subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_frozen_rank_behind_a_relay_is_dropped_within_the_grace_and_its_restart_forms(
     tmp_path: Path,
@@ -160,6 +161,7 @@ def _partitioned(
     return back_s, events, verdicts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("outage_s", [8.0, 30.0])
 def test_a_relay_whose_upstream_is_black_holed_has_its_ranks_back_within_5s_of_the_heal(
@@ -185,6 +187,7 @@ def test_a_relay_whose_upstream_connection_is_reset_rejoins_at_once(tmp_path: Pa
     assert "upstream back; the ranks re-joined" in said
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_relay_behind_a_slow_link_forms(tmp_path: Path) -> None:
     """200 ms each way between the relay and the coordinator: slower, never wrong."""

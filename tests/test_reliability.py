@@ -35,6 +35,7 @@ from tests.helpers import (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkill_while_16_ranks_wait_then_restart_forms_with_no_rank_failing(
     tmp_path: Path,
@@ -95,6 +96,7 @@ def _holds(c: InProcessCoordinator, job_id: str, rank: int) -> bool:
     return cohort is not None and rank in cohort.state.members
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rank_that_dies_while_waiting_is_dropped_and_reported_missing(tmp_path: Path) -> None:
     c = InProcessCoordinator(join_deadline=4.0, rank_grace=2.0)
@@ -122,6 +124,7 @@ def test_a_rank_that_dies_while_waiting_is_dropped_and_reported_missing(tmp_path
         assert r.verdict is not None and r.verdict.refusal.missing_ranks == "1"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_frozen_rank_is_dropped_within_the_grace_and_its_restart_takes_the_rank() -> None:
     """SIGSTOP keeps the connection open (a hung host): only keepalive can find it."""
@@ -282,6 +285,7 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_chaos_200_rounds_of_32_ranks(tmp_path: Path) -> None:
     deadline = 5.0
@@ -349,6 +353,7 @@ def test_chaos_200_rounds_of_32_ranks(tmp_path: Path) -> None:
     assert end - warm < 8 * 1024, f"RSS grew {end - warm} KiB from round 60 to 200"
 
 
+@pytest.mark.slow
 def test_an_agent_that_never_reaches_the_coordinator_names_its_address() -> None:
     from agent.client import CohortgateError
 

@@ -13,11 +13,12 @@ import pytest
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.contract.errors import AlreadyHeld
-from coordinator.decision.cohort import Member, Outcome
-from coordinator.decision.report import Verdict
-from coordinator.service.core import Coordinator, UploadAsk
+from coordinator.decision.cohort import Member
+from coordinator.decision.verdict import Outcome, Verdict
+from coordinator.service.core import Coordinator
+from coordinator.service.events import UploadAsk
 from coordinator.state.base import JoinIntent
-from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_rank
+from tests.helpers import InProcessCoordinator, decide_in, join_request, manifest_of, run_rank
 
 M = manifest_of()
 LAUNCH = "node0:29500"
@@ -180,6 +181,7 @@ def test_a_restart_that_loses_the_race_with_the_decision_gets_the_rounds_verdict
     assert len({v.cohort_id for v in verdicts if v is not None}) == 1, "one cohort for all"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_torchrun_restart_after_the_decision_opens_a_new_round() -> None:
     """torchrun restarts every worker with a higher restart count: those join a new round
@@ -196,16 +198,15 @@ def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_roun
     """A successor's incarnation is remembered with its round; once that round is forgotten
     (ROUNDS_KEPT newer rounds), its re-join is a join like any other, not a lookup of a
     round that is gone."""
-    from coordinator.decision.formation import FormationOptions
     from coordinator.state.memory import ROUNDS_KEPT, MemoryStore
 
     now = [0.0]
-    store = MemoryStore(FormationOptions(), lambda: now[0])
+    store = MemoryStore(lambda: now[0])
 
     def form(m: Member) -> None:
         result = store.join(JoinIntent("forgot", 0, m, 1))
         result.cohort.state.manifests[m.signature] = M  # type: ignore[assignment]
-        store.evaluate(result.cohort)
+        decide_in(store, result.cohort, now[0])
         assert result.cohort.verdict is not None and result.cohort.verdict.outcome.value == "formed"
 
     form(member(0))

@@ -41,6 +41,7 @@ REFUSED = pb.Verdict.OUTCOME_REFUSED
 JOIN_DEADLINE = 20.0  # the conftest `coord` fixture's deadline
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_whole_job_joining_at_once_reaches_the_coordinator(tmp_path: Path) -> None:
     """4096 joins in one burst. grpc core used to cancel the calls the Python server had not
@@ -268,6 +269,7 @@ def test_a_refusal_through_a_relay_reaches_every_rank(relay: tuple[str, str, Pat
     assert "1 rank [5]" in report and "bfloat16" in report, report
 
 
+@pytest.mark.slow
 def test_upstream_errors_pass_through_the_relay(relay: tuple[str, str, Path]) -> None:
     relay_addr, _, _ = relay
     m = manifest_of()
@@ -277,6 +279,7 @@ def test_upstream_errors_pass_through_the_relay(relay: tuple[str, str, Path]) ->
     assert "rank 9 is outside [0, 4)" in (result.error.details() or "")
 
 
+@pytest.mark.slow
 def test_a_rank_that_leaves_a_relayed_group_can_come_back(relay: tuple[str, str, Path]) -> None:
     relay_addr, coordinator, _ = relay
     m = manifest_of()
@@ -344,6 +347,7 @@ def rack(tmp_path: Path) -> Iterator[tuple[list[str], int, Path]]:
                 kill_group(proc)
 
 
+@pytest.mark.slow
 def test_relays_of_relays_join_a_rack_as_one_call(rack: tuple[list[str], int, Path]) -> None:
     """The coordinator sees one group of 4; every rank gets the verdict; a refusal's
     manifest requests and uploads cross both levels; a group the relay cannot take is
@@ -371,6 +375,7 @@ def test_relays_of_relays_join_a_rack_as_one_call(rack: tuple[list[str], int, Pa
     assert "of 2 jobs" in (err.value.details() or ""), err.value.details()
 
 
+@pytest.mark.slow
 def test_a_rank_that_leaves_under_two_relays_lets_the_rest_form(
     rack: tuple[list[str], int, Path],
 ) -> None:

@@ -224,6 +224,7 @@ def test_agent_uses_token_and_tls_from_its_environment(pki: Path, tmp_path: Path
         c.stop()
 
 
+@pytest.mark.slow
 def test_limits_name_the_limit_and_its_value() -> None:
     c = InProcessCoordinator(max_cohorts=2, max_waiting_ranks=3, max_world_size=64)
     try:
@@ -255,6 +256,7 @@ def test_limits_name_the_limit_and_its_value() -> None:
         c.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_join_then_cancel_calls_do_not_keep_cohort_slots() -> None:
     """3,000 joins cancelled at once, from 16 threads, each on its own connection, against
@@ -310,6 +312,7 @@ def test_non_loopback_needs_a_flag_and_warns_without_tls_or_tokens(tmp_path: Pat
     assert "serving a non-loopback address without TLS and tokens" in text
 
 
+@pytest.mark.slow
 def test_the_limits_no_other_test_reaches_refuse_naming_themselves() -> None:
     """max_waiting_ranks, max_manifest_entries, and the caps on names, dimensions and
     layout pieces: each refusal names the limit and its value."""

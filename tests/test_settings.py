@@ -79,6 +79,7 @@ def test_the_agent_imports_whatever_cohortgate_timeout_holds() -> None:
         ({"COHORTGATE_TOKEN": "two\nlines-of-token"}, "COHORTGATE_TOKEN holds a character"),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_agent_setting_is_one_line_naming_it_in_the_error_file(
     tmp_path: Path, env: dict[str, str], named: str
 ) -> None:

@@ -90,6 +90,7 @@ def test_dtype_names_are_canonical() -> None:
     assert [e.dtype for e in agent.manifest(model).entries] == ["bfloat16", "float8_e4m3fn"]
 
 
+@pytest.mark.slow
 def test_same_model_same_signature_in_two_processes() -> None:
     code = (
         "import agent; from tests.models import tiny;"

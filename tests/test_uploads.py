@@ -205,6 +205,7 @@ def _sharded(job: str, rank: int) -> tuple[pb.JoinRequest, Manifest]:
     return request, local
 
 
+@pytest.mark.slow
 def test_a_relay_cuts_its_group_at_the_coordinators_message_limit(tmp_path: Path) -> None:
     flags = ["--max-message-bytes", str(MESSAGE_BYTES)]
     ranks = [_sharded("cut", r) for r in range(4)]

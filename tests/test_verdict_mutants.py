@@ -14,8 +14,9 @@ from coordinator.contract.fingerprint import MAX_VALUE, canonical, config_fields
 from coordinator.contract.layout import Layout, ShardPiece
 from coordinator.contract.manifest import Manifest
 from coordinator.decision import coverage
-from coordinator.decision.cohort import CohortState, Member, Outcome
+from coordinator.decision.cohort import CohortState, Member
 from coordinator.decision.formation import FormationOptions, decide
+from coordinator.decision.verdict import Outcome
 from coordinator.edge.auth import Auth, TokenStore
 from coordinator.edge.rpc import join_intent
 from tests.helpers import join_request, manifest_of

@@ -1,4 +1,5 @@
-"""The cohort as the decision sees it: members, the signature index, classes and launches."""
+"""The cohort as the decision sees it: members, the signature index, uploads and launches
+(data, changed only through `add` and `remove`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from coordinator.contract import ranges
 from coordinator.contract.fingerprint import Fields
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import ManifestLike
@@ -103,8 +103,14 @@ class CohortState:
         if len(self.members) == self.world_size and self.complete_at is None:
             self.complete_at = now
 
+    def holds(self, member: Member) -> bool:
+        """Is `member` (its rank and incarnation: not another launch's intruder, nor a
+        process that took its rank since) a member now?"""
+        held = self.members.get(member.rank)
+        return held is not None and held.incarnation == member.incarnation
+
     def remove(self, member: Member, now: float) -> None:
-        if self.members.get(member.rank) is not member:
+        if not self.holds(member):
             return
         del self.members[member.rank]
         self.version += 1
@@ -156,125 +162,3 @@ class CohortState:
             launches=dict(self.launches),
             intruders=list(self.intruders),
         )
-
-
-class Outcome(enum.StrEnum):
-    WAITING = "waiting"
-    FORMED = "formed"
-    REFUSED = "refused"
-
-
-class Cause(enum.StrEnum):
-    SIGNATURE_MISMATCH = "signature_mismatch"
-    DEADLINE = "deadline"
-    MANIFEST_INVALID = "manifest_invalid"
-    LAYOUT = "layout"
-    RUNTIME = "runtime"
-    WEIGHTS = "weights"
-    LAUNCH = "launch"
-    CONFIG = "config"
-    CODE = "code"
-    FACTS = "facts"
-
-
-@dataclass(frozen=True)
-class SignatureClass:
-    """Ranks sharing one signature; the reference class is the one others are diffed against."""
-
-    signature: bytes
-    ranks: tuple[int, ...]
-    hosts: tuple[str, ...]
-    manifest_entries: int
-    reference: bool = False
-    group: str = ""  # the replica group ("tp=1 pp=0 ...") under a layout; "" otherwise
-
-    @property
-    def ranks_text(self) -> str:
-        return ranges.compress(self.ranks)
-
-
-@dataclass(frozen=True)
-class LaunchGroup:
-    """The ranks of one launch of a job that joined a cohort (intruders included)."""
-
-    launch: str
-    ranks: tuple[int, ...]
-    hosts: tuple[str, ...]
-
-
-def launch_groups(cohort: CohortState) -> tuple[LaunchGroup, ...]:
-    """Each known launch with its ranks, in the order of their lowest rank."""
-    by: dict[str, list[Member]] = {}
-    for m in [*cohort.members.values(), *cohort.intruders]:
-        if m.launch:
-            by.setdefault(m.launch, []).append(m)
-    groups = [
-        LaunchGroup(
-            launch,
-            tuple(sorted({m.rank for m in ms})),
-            tuple(sorted({m.host for m in ms})),
-        )
-        for launch, ms in by.items()
-    ]
-    return tuple(sorted(groups, key=lambda g: (g.ranks[0], g.launch)))
-
-
-def signature_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
-    """Every class, reference first (the largest; ties go to the one holding the lowest rank),
-    then the others in the order of their lowest rank."""
-    return _classes(cohort, cohort.classes, "")
-
-
-def _classes(
-    cohort: CohortState, classes: dict[bytes, set[int]], group: str
-) -> tuple[SignatureClass, ...]:
-    built = []
-    for signature, rank_set in classes.items():
-        ranks = tuple(sorted(rank_set))
-        hosts = tuple(sorted({cohort.members[r].host for r in ranks}))
-        entries = cohort.members[ranks[0]].manifest_entries
-        built.append(SignatureClass(signature, ranks, hosts, entries, group=group))
-    built.sort(key=lambda c: (-len(c.ranks), c.ranks[0]))
-    reference = built[0]
-    others = sorted(built[1:], key=lambda c: c.ranks[0])
-    return (
-        SignatureClass(
-            reference.signature,
-            reference.ranks,
-            reference.hosts,
-            reference.manifest_entries,
-            reference=True,
-            group=group,
-        ),
-        *others,
-    )
-
-
-def replica_classes(cohort: CohortState) -> tuple[SignatureClass, ...]:
-    """Under a layout: the signature classes of each replica group (ranks at one shard
-    position, differing only in dp), for the groups holding more than one signature."""
-    groups: dict[tuple[int, ...], dict[bytes, set[int]]] = {}
-    labels: dict[tuple[int, ...], str] = {}
-    for rank, m in cohort.members.items():
-        assert m.layout is not None
-        key = m.layout.replica_key
-        labels[key] = m.layout.replica_label
-        groups.setdefault(key, {}).setdefault(m.signature, set()).add(rank)
-    out: list[SignatureClass] = []
-    for key in sorted(groups, key=lambda k: min(r for s in groups[k].values() for r in s)):
-        if len(groups[key]) > 1:
-            out += _classes(cohort, groups[key], labels[key])
-    return tuple(out)
-
-
-def weight_classes(cohort: CohortState) -> dict[str, dict[bytes, list[int]]]:
-    """Per replica group (its label; "" for all ranks when no layout is declared): weight
-    digest -> ranks holding it, for ranks that sent one."""
-    groups: dict[str, dict[bytes, list[int]]] = {}
-    for rank in sorted(cohort.members):
-        m = cohort.members[rank]
-        if not m.weights_digest:
-            continue
-        label = m.layout.replica_label if m.layout is not None else ""
-        groups.setdefault(label, {}).setdefault(m.weights_digest, []).append(rank)
-    return groups

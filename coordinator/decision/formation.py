@@ -10,25 +10,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from coordinator.contract import ranges
-from coordinator.decision.checks import (
-    CHECKS,
-    Check,
-    Context,
-    Finding,
-    Level,
-    Policies,
-    Result,
-    warnings,
-)
-from coordinator.decision.cohort import (
-    INVALID_UPLOAD,
+from coordinator.decision.checks import CHECKS, Check, Context, Policies, Result
+from coordinator.decision.classes import launch_groups, signature_classes
+from coordinator.decision.cohort import INVALID_UPLOAD, CohortState
+from coordinator.decision.verdict import (
     Cause,
-    CohortState,
-    LaunchGroup,
+    Decision,
+    Level,
     Outcome,
     SignatureClass,
-    launch_groups,
-    signature_classes,
 )
 
 
@@ -41,27 +31,6 @@ class FormationOptions:
     # mismatch before refusing without them (their uploaders were asked at join time).
     manifest_timeout_s: float = 30.0
     policies: Policies = field(default_factory=Policies)
-
-
-@dataclass(frozen=True)
-class Decision:
-    outcome: Outcome
-    reason: str
-    cause: Cause | None = None
-    classes: tuple[SignatureClass, ...] = ()
-    missing_ranks: tuple[int, ...] = ()
-    present_ranks: tuple[int, ...] = ()
-    # Signatures whose manifests the decision still waits for (WAITING only).
-    awaiting_manifests: tuple[bytes, ...] = ()
-    # Weight digests whose per-tensor digests the decision waits for (WAITING only).
-    awaiting_digests: tuple[bytes, ...] = ()
-    findings: tuple[Finding, ...] = ()
-    launches: tuple[LaunchGroup, ...] = ()
-    weights: str = ""  # a weights refusal's kind: values | unsent | buffers | sharded
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        return tuple(warnings(self.findings))
 
 
 def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decision:
@@ -79,9 +48,9 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
             present_ranks=tuple(sorted(cohort.members)),
         )
     if joined < n:
-        deadline = cohort.first_join_at + options.join_deadline_s
+        deadline = join_deadline(cohort, options)
         if now < deadline:
-            return Decision(Outcome.WAITING, f"[{joined}/{n} ranks joined]")
+            return Decision(Outcome.WAITING, f"[{joined}/{n} ranks joined]", recheck_at=deadline)
         missing = ranges.missing(cohort.members, n)
         return Decision(
             Outcome.REFUSED,
@@ -100,26 +69,37 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
     # class that proves the signature is honest, for several it explains the difference.
     classes = signature_classes(cohort)
     awaiting = tuple(c.signature for c in classes if c.signature not in cohort.manifests)
-    complete_at = cohort.complete_at if cohort.complete_at is not None else now
-    if awaiting and now < complete_at + options.manifest_timeout_s:
+    due = uploads_due(cohort, now, options)
+    if awaiting and now < due:
         signatures = "1 signature" if len(classes) == 1 else f"{len(classes)} different signatures"
         return Decision(
             Outcome.WAITING,
             f"[{n}/{n} ranks joined, {signatures}, waiting for {len(awaiting)} manifest(s)]",
             classes=classes,
             awaiting_manifests=awaiting,
+            recheck_at=due,
         )
-    return _checked(cohort, now, options, unverified=bool(awaiting))
+    return _checked(cohort, now, options, due, unverified=bool(awaiting))
+
+
+def join_deadline(cohort: CohortState, options: FormationOptions) -> float:
+    """When a round that is still missing ranks is refused: its first join + the deadline."""
+    return cohort.first_join_at + options.join_deadline_s
+
+
+def uploads_due(cohort: CohortState, now: float, options: FormationOptions) -> float:
+    """Until when the uploads that explain a cohort are waited for: the upload timeout
+    after every rank joined (their uploaders were asked at join time)."""
+    complete_at = cohort.complete_at if cohort.complete_at is not None else now
+    return complete_at + options.manifest_timeout_s
 
 
 def _checked(
-    cohort: CohortState, now: float, options: FormationOptions, *, unverified: bool
+    cohort: CohortState, now: float, options: FormationOptions, due: float, *, unverified: bool
 ) -> Decision:
     """Every check of the registry in order; the first that refuses names the cause."""
     layouts = {r: m.layout for r, m in cohort.members.items() if m.layout is not None}
-    ctx = Context(
-        cohort, now, options.manifest_timeout_s, options.policies.for_job(cohort.job_id), layouts
-    )
+    ctx = Context(cohort, now, due, options.policies.for_job(cohort.job_id), layouts)
     refusing: tuple[Check, Result] | None = None
     classes: tuple[SignatureClass, ...] = ()
     for check in CHECKS:
@@ -129,7 +109,10 @@ def _checked(
         result = check.run(ctx, level)
         if result.waiting:
             return Decision(
-                Outcome.WAITING, result.waiting, awaiting_digests=result.awaiting_digests
+                Outcome.WAITING,
+                result.waiting,
+                awaiting_digests=result.awaiting_digests,
+                recheck_at=due,
             )
         ctx.found += result.findings
         classes = classes or result.classes

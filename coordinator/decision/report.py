@@ -3,44 +3,27 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from coordinator.contract import ranges
 from coordinator.contract.diff import ManifestDiff, diff
-from coordinator.decision.checks import Finding, Level, warnings
 from coordinator.decision.checks.agreement import AGREEMENT_BY_CAUSE
-from coordinator.decision.cohort import Cause, CohortState, LaunchGroup, Outcome, SignatureClass
-from coordinator.decision.formation import Decision, FormationOptions, decide
+from coordinator.decision.cohort import CohortState
+from coordinator.decision.formation import FormationOptions, decide
+from coordinator.decision.verdict import (
+    Cause,
+    Decision,
+    DiffKey,
+    Finding,
+    LaunchGroup,
+    Level,
+    Outcome,
+    SignatureClass,
+    Verdict,
+)
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
 HOST_CAP = 8
-
-
-@dataclass(frozen=True)
-class Verdict:
-    outcome: Outcome
-    job_id: str
-    round: int
-    cohort_id: str
-    world_size: int
-    reason: str
-    decided_at: float
-    init_method: str = ""
-    cause: Cause | None = None
-    classes: tuple[SignatureClass, ...] = ()
-    # (group, signature) -> diff against its group's reference; None without a manifest.
-    diffs: dict[tuple[str, bytes], ManifestDiff | None] = field(default_factory=dict)
-    findings: tuple[Finding, ...] = ()
-    missing_ranks: tuple[int, ...] = ()
-    present_ranks: tuple[int, ...] = ()
-    report: str = ""
-    # One line naming the culprit ranks first: what every rank prints and torchrun's Root
-    # Cause shows before the report, whichever rank torchrun picks.
-    headline: str = ""
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        return tuple(warnings(self.findings))
 
 
 def _hosts(hosts: tuple[str, ...]) -> str:
@@ -63,9 +46,6 @@ def _class_line(c: SignatureClass, label: str) -> str:
 
 def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
-
-
-DiffKey = tuple[str, bytes]  # (replica group, signature)
 
 
 def _class_lines(

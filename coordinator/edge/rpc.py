@@ -41,10 +41,10 @@ from coordinator.contract.fingerprint import AGREED, Fields, check_fields
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import HeldManifest
 from coordinator.contract.runtime import RUNTIME_FIELDS
-from coordinator.decision.cohort import Cause, Member, Outcome, UploadKind
-from coordinator.decision.report import Verdict
+from coordinator.decision.cohort import Member, UploadKind
+from coordinator.decision.verdict import Cause, Outcome, Verdict
 from coordinator.edge.plumbing import Malformed, parse_request
-from coordinator.service.core import JoinEvent, UploadAsk
+from coordinator.service.events import JoinEvent, UploadAsk
 from coordinator.service.status import CohortSummary
 from coordinator.state.asks import UploadRef
 from coordinator.state.base import JoinIntent, LiveCohort, VerdictRow

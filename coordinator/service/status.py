@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from coordinator.decision.cohort import Cause
-from coordinator.decision.formation import FormationOptions
+from coordinator.decision.formation import FormationOptions, join_deadline
+from coordinator.decision.verdict import Cause
+from coordinator.service.book import Tracked
 from coordinator.state.base import LiveCohort
 
 
@@ -19,6 +20,7 @@ class CohortSummary:
     expected: int
     age_s: float
     deadline_in_s: float
+    recheck_in_s: float  # when the decision may change by itself (Decision.recheck_at)
     missing_ranks: str
     reason: str
     first_join_at: float
@@ -41,7 +43,10 @@ def state_of(cohort: LiveCohort) -> str:
     return verdict.outcome.value
 
 
-def summarize(cohort: LiveCohort, now: float, options: FormationOptions) -> CohortSummary:
+def summarize(
+    cohort: LiveCohort, now: float, options: FormationOptions, tracked: Tracked | None
+) -> CohortSummary:
+    """`tracked`: what the service tracks of the cohort (None once its verdict is sent)."""
     state = cohort.state
     verdict = cohort.verdict
     if cohort.abandoned_at is not None:
@@ -51,7 +56,7 @@ def summarize(cohort: LiveCohort, now: float, options: FormationOptions) -> Coho
     elif verdict is None:
         joined = len(state.members)
         missing = cohort.missing_text()
-        reason = cohort.last_reason
+        reason = tracked.reason if tracked is not None else ""
     else:
         joined = len(state.members)
         missing = cohort.missing_text()
@@ -63,8 +68,11 @@ def summarize(cohort: LiveCohort, now: float, options: FormationOptions) -> Coho
         joined=joined,
         expected=state.world_size,
         age_s=now - state.first_join_at,
-        deadline_in_s=(
-            state.first_join_at + options.join_deadline_s - now if not cohort.settled else 0.0
+        deadline_in_s=join_deadline(state, options) - now if not cohort.settled else 0.0,
+        recheck_in_s=(
+            tracked.recheck_at - now
+            if tracked is not None and tracked.recheck_at is not None and not cohort.settled
+            else 0.0
         ),
         missing_ranks=missing,
         reason=reason,

@@ -15,8 +15,7 @@ from coordinator.contract import ranges
 from coordinator.contract.errors import InvalidArgument
 from coordinator.contract.manifest import ManifestLike
 from coordinator.decision.cohort import CohortState, Member, UploadKind
-from coordinator.decision.formation import Decision
-from coordinator.decision.report import Verdict
+from coordinator.decision.verdict import Decision, Verdict
 from coordinator.state.asks import Asks, UploadRef
 
 
@@ -47,12 +46,7 @@ class LiveCohort:
     verdict: Verdict | None = None
     # who is asked for which upload (manifests at join, per-tensor digests on demand)
     asks: Asks = field(default_factory=Asks)
-    last_reason: str = ""  # the decision's reason as it was last evaluated
-    last_reason_kind: str = ""  # the same with digits masked: logged when it changes
     abandoned_at: float | None = None  # every rank left before a verdict
-    # Decided, but held back from the ranks until the history has stored the verdict (at
-    # most RECORD_WAIT_S): a rank re-joining a restarted coordinator must find it there.
-    recording: bool = False
     manifest_bytes: int = 0  # upload bytes of the manifests held (see Limits)
 
     # (state version or -1 once decided, the missing ranks as text): status reads are O(1)
@@ -160,19 +154,13 @@ class CohortStore(abc.ABC):
         `combined`: their combination, when the caller computed it off the event loop."""
 
     @abc.abstractmethod
-    def evaluate(self, cohort: LiveCohort) -> Decision | None:
-        """Decide; a FORMED or REFUSED decision becomes the cohort's verdict."""
-
-    @abc.abstractmethod
-    def settle(
-        self,
-        cohort: LiveCohort,
-        decision: Decision,
-        now: float,
-        verdict: Verdict | None,
-    ) -> Decision | None:
-        """Apply `judge`'s result made at `now` (on the loop, or off it on a snapshot): the
-        verdict when decided; None if the cohort was settled meanwhile."""
+    def apply(
+        self, cohort: LiveCohort, decision: Decision, verdict: Verdict | None, now: float
+    ) -> bool:
+        """Keep what the service's decision (made at `now`) says: WAITING asks one rank per
+        awaited weights digest for its per-tensor digests; FORMED or REFUSED makes `verdict`
+        the cohort's, frees its uploads and remembers its members' incarnations for replay.
+        False (and nothing kept) when the cohort was settled meanwhile."""
 
     @abc.abstractmethod
     def rotate_asks(self, cohort: LiveCohort, after_s: float) -> list[Member]:

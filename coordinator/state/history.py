@@ -16,9 +16,7 @@ import structlog
 from coordinator.contract import ranges
 from coordinator.contract.diff import ManifestDiff
 from coordinator.contract.errors import Unavailable
-from coordinator.decision.checks import Finding
-from coordinator.decision.cohort import Cause, Outcome, SignatureClass
-from coordinator.decision.report import Verdict
+from coordinator.decision.verdict import Cause, Finding, Outcome, SignatureClass, Verdict
 from coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
 
 log = structlog.get_logger("cohortgate")

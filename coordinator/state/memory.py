@@ -15,9 +15,8 @@ from coordinator.contract.errors import (
 )
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import HeldManifest, ManifestLike
-from coordinator.decision.cohort import CohortState, Member, Outcome, UploadKind
-from coordinator.decision.formation import Decision, FormationOptions
-from coordinator.decision.report import Verdict, judge
+from coordinator.decision.cohort import CohortState, Member, UploadKind
+from coordinator.decision.verdict import Decision, Outcome, Verdict
 from coordinator.state.asks import UploadRef, key_of, uploaded
 from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinResult, LiveCohort
 
@@ -53,12 +52,10 @@ class MemoryStore(CohortStore):
 
     def __init__(
         self,
-        options: FormationOptions,
         clock: Callable[[], float],
         last_round: Callable[[str], int] = lambda job_id: 0,
         limits: Limits | None = None,
     ) -> None:
-        self.options = options
         self.limits = limits or Limits()
         self.waiting_cohorts = 0
         self.waiting_ranks = 0
@@ -218,7 +215,7 @@ class MemoryStore(CohortStore):
         """
         if cohort.verdict is not None:
             return []
-        if cohort.state.members.get(member.rank) is member:
+        if cohort.state.holds(member):
             self.waiting_ranks -= 1
         cohort.state.remove(member, self.clock())
         return cohort.asks.hand_over(cohort.state, member)
@@ -343,28 +340,16 @@ class MemoryStore(CohortStore):
         cohort.state.tensor_digests.clear()
 
     # -- decisions ---------------------------------------------------------------------
-    def evaluate(self, cohort: LiveCohort) -> Decision | None:
-        """Run the formation decision; on FORMED or REFUSED, record the verdict."""
+    def apply(
+        self, cohort: LiveCohort, decision: Decision, verdict: Verdict | None, now: float
+    ) -> bool:
         if cohort.settled:
-            return None
-        now = self.clock()
-        decision, verdict = judge(cohort.state, now, self.options)
-        return self.settle(cohort, decision, now, verdict)
-
-    def settle(
-        self,
-        cohort: LiveCohort,
-        decision: Decision,
-        now: float,
-        verdict: Verdict | None,
-    ) -> Decision | None:
-        if cohort.settled:
-            return None
+            return False
         if decision.outcome is Outcome.WAITING:
             # One representative per weights digest (its lowest rank) is asked for its list.
             for digest in decision.awaiting_digests:
                 cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest, now=now)
-            return decision
+            return True
         assert verdict is not None, "a decided cohort comes with its verdict (judge)"
         cohort.verdict = verdict
         self._drop_uploads(cohort)
@@ -373,7 +358,7 @@ class MemoryStore(CohortStore):
         job = self.jobs[cohort.job_id]
         for m in cohort.state.members.values():
             job.incarnations[m.incarnation] = cohort.round
-        return decision
+        return True
 
     def digests_manifest(self, ref: UploadRef, count: int) -> ManifestLike:
         return self._digests_source(ref, count)[2]

@@ -11,12 +11,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from coordinator.decision.checks.agreement import AGREEMENT_CHECKS
-from coordinator.decision.checks.base import Check, Context, Finding, Level, Result, warnings
+from coordinator.decision.checks.base import Check, Context, Result
 from coordinator.decision.checks.coverage import CoverageCheck
 from coordinator.decision.checks.layout import LayoutCheck
 from coordinator.decision.checks.model import ModelCheck
 from coordinator.decision.checks.runtime import RUNTIME_CHECKS
 from coordinator.decision.checks.weights import WeightsCheck
+from coordinator.decision.verdict import Finding, Level, warnings
 
 CHECKS: tuple[Check, ...] = (
     LayoutCheck(),

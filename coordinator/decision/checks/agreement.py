@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter
 
 from coordinator.contract.fingerprint import AGREED, Fields, disagreements
-from coordinator.decision.checks.base import Check, Context, Finding, Level, Result
-from coordinator.decision.cohort import Cause
+from coordinator.decision.checks.base import Check, Context, Result
+from coordinator.decision.verdict import Cause, Finding, Level
 
 
 class AgreementCheck(Check):

@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from coordinator.contract.layout import Layout
 from coordinator.contract.ranges import by_value
-from coordinator.decision.cohort import Cause, CohortState, SignatureClass
-
-
-class Level(enum.StrEnum):
-    STRICT = "strict"  # a finding refuses the cohort
-    WARN = "warn"  # the cohort forms; the finding is recorded and sent to every rank
-    OFF = "off"  # the check does not run
-
-
-@dataclass(frozen=True)
-class Finding:
-    check: str
-    level: Level
-    text: str
-    ranks: tuple[int, ...] = ()
-
-
-def warnings(findings: Iterable[Finding]) -> list[str]:
-    """The warn findings as the lines a formed cohort's ranks (and the log) receive."""
-    return [f"{f.check}: {f.text}" for f in findings if f.level is Level.WARN]
+from coordinator.decision.cohort import CohortState
+from coordinator.decision.verdict import Cause, Finding, Level, SignatureClass
 
 
 @dataclass
@@ -37,7 +18,8 @@ class Context:
 
     cohort: CohortState
     now: float
-    manifest_timeout_s: float
+    # when the uploads asked for stop being waited for (every rank in + the upload timeout)
+    uploads_due: float
     levels: Mapping[str, Level]
     # rank -> layout, for the ranks that declared one (none: the job is not sharded)
     layouts: dict[int, Layout] = field(default_factory=dict)

@@ -10,10 +10,10 @@ import numpy as np
 from coordinator.contract.layout import Layout
 from coordinator.contract.ranges import by_value
 from coordinator.decision import coverage
-from coordinator.decision.checks.base import Check, Context, Finding, Level, Result
+from coordinator.decision.checks.base import Check, Context, Result
 from coordinator.decision.checks.layout import layered_reason
-from coordinator.decision.cohort import Cause
 from coordinator.decision.pieces import CohortPieces, Rows
+from coordinator.decision.verdict import Cause, Finding, Level
 
 # Tensors that fail, examined one by one to name their problems; past this, counted.
 DETAILED = 64

@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping
 
 from coordinator.contract import ranges
 from coordinator.contract.layout import AXES, Layout
-from coordinator.decision.checks.base import Check, Context, Finding, Level, Result, disagreement
-from coordinator.decision.cohort import Cause
+from coordinator.decision.checks.base import Check, Context, Result, disagreement
+from coordinator.decision.verdict import Cause, Finding, Level
 
 # Under a layout the layout, coverage and model checks together are its layered identity.
 LAYERED = ("layout", "coverage", "model")

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from coordinator.contract.layout import Layout
-from coordinator.decision.checks.base import Check, Context, Finding, Level, Result, disagreement
+from coordinator.decision.checks.base import Check, Context, Result, disagreement
 from coordinator.decision.checks.layout import layered_reason
-from coordinator.decision.cohort import Cause, replica_classes, signature_classes
+from coordinator.decision.classes import replica_classes, signature_classes
+from coordinator.decision.verdict import Cause, Finding, Level
 
 # Global fingerprint fields of a layout that name the model itself.
 _FINGERPRINT: dict[str, Callable[[Layout], str]] = {

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from coordinator.contract import ranges
 from coordinator.contract.digests import differing
-from coordinator.decision.checks.base import Check, Context, Finding, Level, Result
-from coordinator.decision.cohort import Cause, CohortState, weight_classes
+from coordinator.decision.checks.base import Check, Context, Result
+from coordinator.decision.classes import weight_classes
+from coordinator.decision.cohort import CohortState
+from coordinator.decision.verdict import Cause, Finding, Level
 
 NAMES_SHOWN = 10
 # A weights refusal's kind -> the words its reason uses
@@ -55,9 +57,8 @@ class WeightsCheck(Check):
         wanted = tuple(
             dict.fromkeys(d for _, known in pairs if isinstance(known, tuple) for d in known)
         )
-        complete_at = cohort.complete_at if cohort.complete_at is not None else ctx.now
         n = cohort.world_size
-        if wanted and ctx.now < complete_at + ctx.manifest_timeout_s:
+        if wanted and ctx.now < ctx.uploads_due:
             return Result(
                 waiting=f"[{n}/{n} ranks joined, weights differ, waiting for {len(wanted)} "
                 "digest list(s)]",

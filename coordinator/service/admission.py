@@ -1,0 +1,301 @@
+"""Admission and waiting: a rank's join enters the store, then its call sleeps until it has
+something to say (progress, an upload ask, the verdict); a call that ends frees its rank."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+
+from coordinator.contract import ranges
+from coordinator.contract.errors import AlreadyHeld, FailedPrecondition, Unavailable
+from coordinator.decision.cohort import Member, UploadKind
+from coordinator.decision.verdict import Verdict
+from coordinator.service.book import Book, ref_of
+from coordinator.service.calls import Calls
+from coordinator.service.events import JoinEvent, Progress, UploadAsk
+from coordinator.service.observers import Observer
+from coordinator.state.asks import UploadRef
+from coordinator.state.base import CohortStore, JoinIntent, JoinResult, LiveCohort
+
+log = structlog.get_logger("cohortgate")
+
+# Up to this world size every progress event is exact; above, it may be 0.25 s stale.
+PROGRESS_EXACT_UP_TO = 1024
+
+Held = list[tuple[UploadRef, Member]]  # a call's members still waiting on it
+
+
+class Admission:
+    """Joins and the calls that wait on them. `evaluate` decides a cohort after a change;
+    `recording` says whether its verdict is held back until stored; `changed` tells the
+    watchers."""
+
+    def __init__(
+        self,
+        store: CohortStore,
+        observer: Observer,
+        clock: Callable[[], float],
+        calls: Calls,
+        book: Book,
+        *,
+        progress_interval_s: float,
+        evaluate: Callable[[LiveCohort], None],
+        recording: Callable[[LiveCohort], bool],
+        changed: Callable[[LiveCohort], None],
+    ) -> None:
+        self.store, self.observer, self.clock = store, observer, clock
+        self.calls, self.book = calls, book
+        self.progress_interval_s = progress_interval_s
+        self._evaluate, self._recording, self._changed = evaluate, recording, changed
+        self.closing = False
+
+    async def join_group(
+        self,
+        intents: list[JoinIntent],
+        alive: Callable[[], bool],
+        on_gone: Callable[[Callable[[], None]], None] | None,
+    ) -> AsyncIterator[JoinEvent]:
+        if self.closing:
+            raise Unavailable("the coordinator is shutting down; retry against its successor")
+        poke = asyncio.Event()
+        admitted = self._replayed_from_history(intents[0]) or self._admit(intents, poke, alive)
+        if isinstance(admitted, Verdict):
+            yield admitted
+            return
+        cohort, held = admitted
+        try:
+            if on_gone is not None:
+                on_gone(poke.set)
+            self._evaluate(cohort)
+            self._changed(cohort)
+            async for event in self._wait(cohort, held, poke, intents, alive):
+                yield event
+        finally:
+            self._release(cohort, held, poke)
+
+    def _replayed_from_history(self, first: JoinIntent) -> Verdict | None:
+        """After a restart (or once the job left memory): a rank of a decided cohort that
+        re-joins with its incarnation gets that verdict back, not a new round."""
+        history = self.observer.history
+        if history is None or self.store.holds(first.job_id):
+            return None
+        stored = history.verdict_of(first.job_id, first.member.incarnation)
+        if stored is not None:
+            log.info("verdict replayed from history", job=first.job_id)
+        return stored
+
+    def _admit(
+        self, intents: list[JoinIntent], poke: asyncio.Event, alive: Callable[[], bool]
+    ) -> Verdict | tuple[LiveCohort, Held]:
+        """Every intent joins (or all are undone): the cohort and the members now waiting on
+        `poke`, or the verdict of a decided round the same incarnation took part in."""
+        held: Held = []
+        cohort: LiveCohort | None = None
+        try:
+            for intent in intents:
+                result = self._join_store(intent)
+                if result.replayed:
+                    if held:
+                        raise FailedPrecondition(
+                            f"rank {intent.member.rank} of this group took part in round "
+                            f"{result.cohort.round}, which is decided, while the others "
+                            "join the open round: re-join them separately"
+                        )
+                    assert result.cohort.verdict is not None
+                    log.info(
+                        "a restarted process takes its predecessor's place in the decided "
+                        "round: verdict replayed"
+                        if result.successor
+                        else "verdict replayed",
+                        job=result.cohort.job_id,
+                        round=result.cohort.round,
+                        rank=result.member.rank,
+                    )
+                    return result.cohort.verdict
+                if cohort is not None and result.cohort is not cohort:
+                    raise FailedPrecondition("the members of one group joined different rounds")
+                cohort, member = result.cohort, result.member
+                ref = ref_of(cohort, member.rank, member.incarnation)
+                if self.calls.hold(ref, poke, alive):
+                    pass  # the same incarnation again: already counted
+                elif result.intruder:
+                    self.observer.metrics.joins.inc()  # never a member: not waiting
+                else:
+                    self.observer.joined(result.opened)
+                held.append((ref, member))
+                log.debug(
+                    "rank joined",
+                    job=cohort.job_id,
+                    round=cohort.round,
+                    rank=member.rank,
+                    host=member.host,
+                    signature=member.signature.hex()[:12],
+                )
+        except BaseException:
+            if cohort is not None:
+                self._release(cohort, held, poke)
+            raise
+        assert cohort is not None
+        return cohort, held
+
+    def _join_store(self, intent: JoinIntent) -> JoinResult:
+        """The store's join; a rank held by a call that has ended (its cancel reached grpc,
+        its done callback has not run yet: a restart racing its predecessor) is freed
+        first, instead of the restart being told ALREADY_EXISTS while the cohort may
+        complete with the dead call."""
+        try:
+            return self.store.join(intent)
+        except AlreadyHeld:
+            cohort = self.store.find(intent.job_id)
+            held = cohort.state.members.get(intent.member.rank) if cohort else None
+            if cohort is None or held is None or self.calls.answers(cohort, held):
+                raise
+            self.depart(cohort, held)
+            return self.store.join(intent)
+
+    async def _wait(
+        self,
+        cohort: LiveCohort,
+        held: Held,
+        poke: asyncio.Event,
+        intents: list[JoinIntent],
+        alive: Callable[[], bool],
+    ) -> AsyncIterator[JoinEvent]:
+        """Progress, upload asks, then the verdict: woken by `poke` or the progress timer."""
+        told: set[tuple[UploadKind, int]] = set()
+        asks_seen = -1  # Asks.made when this call last looked at its members' asks
+        quiet = all(i.quiet for i in intents)
+        last_progress = float("-inf")
+        while True:
+            if cohort.verdict is not None:
+                if await self._recorded(cohort, poke, alive):
+                    yield cohort.verdict
+                return
+            held[:] = [(k, m) for k, m in held if self.calls.owns(k, poke)]
+            if not self._still_waiting(held, intents, alive):
+                return  # the call is gone: the caller's `finally` frees the ranks
+            if cohort.asks.made != asks_seen:
+                asks_seen = cohort.asks.made
+                for ask in _new_asks(cohort, held, told):
+                    yield ask
+            now = self.clock()
+            if now - last_progress >= self.progress_interval_s and (not quiet or last_progress < 0):
+                last_progress = now
+                for _, m in held:
+                    m.last_seen = now
+                yield self.progress(cohort)
+            await self._sleep(poke, None if quiet else last_progress)
+
+    async def _sleep(self, poke: asyncio.Event, last_progress: float | None) -> None:
+        """Until `poke`, or the next progress event is due (None: no progress events)."""
+        timer = None
+        if last_progress is not None:
+            # A timer handle, not asyncio.wait_for: that costs a task per wait,
+            # which at 16k waiting ranks is most of the coordinator's time.
+            wait = self.progress_interval_s - (self.clock() - last_progress)
+            timer = asyncio.get_running_loop().call_later(max(wait, 0.0), poke.set)
+        await poke.wait()
+        if timer is not None:
+            timer.cancel()
+        poke.clear()
+
+    async def _recorded(
+        self, cohort: LiveCohort, poke: asyncio.Event, alive: Callable[[], bool]
+    ) -> bool:
+        """Wait until the verdict is stored (or no longer waited for); False if the call
+        went meanwhile. Delivery wakes it."""
+        while self._recording(cohort) and not self.closing:
+            if not alive():
+                return False
+            await self._sleep(poke, None)
+        return True
+
+    def _still_waiting(
+        self, held: Held, intents: list[JoinIntent], alive: Callable[[], bool]
+    ) -> bool:
+        """False when the call is gone; raises when it must end with an error."""
+        if not held:
+            ranks = ",".join(str(i.member.rank) for i in intents)
+            raise FailedPrecondition(
+                f"rank(s) {ranks} joined again on another call; this call is superseded"
+            )
+        if not alive():
+            return False
+        if self.closing:
+            raise Unavailable(
+                "the coordinator is shutting down; the agent will re-join its successor"
+            )
+        return True
+
+    def _release(self, cohort: LiveCohort, held: Held, poke: object) -> None:
+        """A call ended: its members still waiting leave (unless another call took them)."""
+        for ref, member in held:
+            if self.calls.release(ref, poke) and cohort.verdict is None:
+                self.depart(cohort, member)
+
+    def depart(self, cohort: LiveCohort, member: Member) -> None:
+        """`member` left before the verdict: its rank is free, its asks go to others; the
+        round is abandoned when no rank is left."""
+        if not cohort.state.holds(member):
+            return  # an intruder (another launch), or already replaced
+        successors = self.store.leave(cohort, member)
+        self.observer.departed()
+        self._changed(cohort)
+        log.info(
+            "rank left before the verdict",
+            job=cohort.job_id,
+            round=cohort.round,
+            rank=member.rank,
+            host=member.host,
+            incarnation=member.incarnation,
+        )
+        for successor in successors:
+            self.calls.poke(cohort, successor)
+        if self.store.abandon(cohort):
+            self.book.drop(cohort)
+            self.observer.abandoned()
+            self._changed(cohort)
+            log.info(
+                "round abandoned",
+                job=cohort.job_id,
+                round=cohort.round,
+                reason="every rank left before a verdict; the next join opens a new round",
+            )
+
+    def progress(self, cohort: LiveCohort) -> Progress:
+        """Cached per cohort for a fraction of the interval: 16k waiting ranks share one."""
+        now = self.clock()
+        state = cohort.state
+        tracked = self.book.of(cohort)  # (tracked until its verdict is sent)
+        cached = tracked.progress
+        if cached is not None and (
+            cached[1] == state.version
+            # A large cohort's missing-rank text is O(world size): rebuilt 4 times a second
+            # at most, or 16k joins would rebuild it 16k times (O(n^2)).
+            or (state.world_size > PROGRESS_EXACT_UP_TO and now - cached[0] < 0.25)
+        ):
+            return cached[2]
+        missing = ranges.missing_text(state.members, state.world_size)
+        joined, n = len(state.members), state.world_size
+        message = f"{joined}/{n} ranks joined"
+        if missing:
+            message += f", waiting for ranks {missing}"
+        elif state.classes and len(state.classes) > 1:
+            message += ", waiting for the manifests that explain the mismatch"
+        deadline_in = tracked.deadline_at - now
+        event = Progress(cohort.job_id, cohort.round, joined, n, missing, message, deadline_in)
+        tracked.progress = (now, state.version, event)
+        return event
+
+
+def _new_asks(cohort: LiveCohort, held: Held, told: set[tuple[UploadKind, int]]) -> list[UploadAsk]:
+    """The asks this call's members hold that it has not passed on yet."""
+    out = []
+    for ref, m in held:
+        for ask in cohort.asks.of(m):
+            if (ask.kind, m.rank) not in told:
+                told.add((ask.kind, m.rank))
+                out.append(UploadAsk(ask.kind, ask.key, ref))
+    return out

@@ -1,0 +1,93 @@
+"""Record, then send: a verdict reaches the ranks once the history has stored it (or after
+RECORD_WAIT_S at most), so a rank whose call breaks as the coordinator dies re-joins its
+successor and finds this verdict, not a new round it would wait in while the others formed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import structlog
+
+from coordinator.service.book import Book
+from coordinator.service.calls import Calls
+from coordinator.service.observers import Observer
+from coordinator.state.base import LiveCohort
+
+log = structlog.get_logger("cohortgate")
+
+# A verdict waits this long at most for the history to store it before the ranks get it
+# (a commit takes milliseconds; a locked or slow disk must not hold a job back longer).
+RECORD_WAIT_S = 1.0
+
+
+class Delivery:
+    def __init__(
+        self, observer: Observer, book: Book, calls: Calls, changed: Callable[[LiveCohort], None]
+    ) -> None:
+        self.observer, self.book, self.calls, self._changed = observer, book, calls, changed
+        # A verdict waited RECORD_WAIT_S for the history in vain, and none was stored since:
+        # the next verdicts are sent without waiting.
+        self._history_late = False
+
+    def decided(self, cohort: LiveCohort) -> None:
+        """The verdict is logged, stored, then sent to every rank."""
+        verdict = cohort.verdict
+        assert verdict is not None
+        log.info(
+            f"cohort {verdict.outcome.value}",
+            job=cohort.job_id,
+            round=cohort.round,
+            reason=verdict.reason,
+            cohort_id=verdict.cohort_id,
+            cause=verdict.cause.value if verdict.cause else None,
+            warnings=verdict.warnings,
+        )
+        history = self.observer.history
+        if history is None or history.problem or self._history_late:
+            # A degraded history, or one already late: not waited for (again).
+            self.observer.decided(cohort)
+            self.deliver(cohort)
+        else:
+            tracked = self.book.of(cohort)
+            tracked.cancel()  # a decided cohort has no recheck or asks left
+            tracked.recording = True
+            loop = asyncio.get_running_loop()
+            self.book.arm(cohort, "record", self.book.clock() + RECORD_WAIT_S, self._unrecorded)
+
+            def written() -> None:  # on the history's writer thread
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    loop.call_soon_threadsafe(self._stored, cohort)
+
+            self.observer.decided(cohort, written)
+        self._changed(cohort)
+
+    def recording(self, cohort: LiveCohort) -> bool:
+        """Decided, and held back until the history stores the verdict?"""
+        tracked = self.book.get(cohort)
+        return tracked is not None and tracked.recording
+
+    def _stored(self, cohort: LiveCohort) -> None:
+        self._history_late = False
+        self.deliver(cohort)
+
+    def _unrecorded(self, cohort: LiveCohort) -> None:
+        if self.recording(cohort):
+            self._history_late = True  # until a verdict is stored again
+            log.warning(
+                "verdict sent before the history stored it",
+                job=cohort.job_id,
+                round=cohort.round,
+                waited_s=RECORD_WAIT_S,
+                advice="the history file is slow or refuses writes; the record is retried",
+            )
+            self.deliver(cohort)
+
+    def deliver(self, cohort: LiveCohort) -> None:
+        """The verdict goes to every rank waiting on it, another launch's included; the
+        service stops tracking the cohort."""
+        self.book.drop(cohort)
+        for m in [*cohort.state.members.values(), *cohort.state.intruders]:
+            self.calls.poke(cohort, m)
