@@ -163,7 +163,7 @@ def test_a_config_of_ten_thousand_keys_is_refused_at_the_limit() -> None:
 
 
 def test_the_cause_reaches_the_wire() -> None:
-    from coordinator.edge.rpc import _CAUSE_TO_PB
+    from coordinator.edge.replies import _CAUSE_TO_PB
 
     assert {Cause.CONFIG, Cause.CODE, Cause.FACTS} <= set(_CAUSE_TO_PB)
 

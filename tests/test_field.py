@@ -445,7 +445,7 @@ def test_every_help_line_states_its_default() -> None:
         for name, parser in sub.choices.items()
         for a in parser._actions
         if a.option_strings and a.dest != "help" and not a.required
-        if "default" not in (a.help or "")
+        if "default" not in (a.help or "") and "required" not in (a.help or "")
     ]
     assert missing == []
     assert "(default 600" in cli("run", "--help").stdout

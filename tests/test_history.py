@@ -9,7 +9,7 @@ from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.decision.cohort import CohortState, Member
 from coordinator.decision.formation import FormationOptions, decide
 from coordinator.decision.report import build_verdict
-from coordinator.edge.rpc import verdict_to_pb
+from coordinator.edge.replies import verdict_to_pb
 from coordinator.state.base import VerdictRow
 from coordinator.state.history import History
 

@@ -327,7 +327,7 @@ def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
     [
         (["--tls-cert", "/missing.pem", "--tls-key", "/missing.key"], "--tls-cert /missing.pem"),
         (["--tls-cert", "/missing.pem"], "--tls-cert and --tls-key go together"),
-        (["--rank-grace", "0"], "--rank-grace > 0"),
+        (["--rank-grace", "0"], "--rank-grace: Input should be greater than 0"),
     ],
 )
 def test_bad_relay_settings_are_one_line(flags: list[str], said: str) -> None:

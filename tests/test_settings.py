@@ -229,3 +229,86 @@ def test_a_world_readable_tokens_file_starts_with_a_warning_naming_it(tmp_path: 
         f"--tokens-file {tokens} has mode 644: others on this machine can read every token; "
         f"run chmod 600 {tokens}"
     )
+
+
+# -- one source per setting: flags and variables generated from the settings models -----
+# The flags as they were written by hand before they were generated (issue 24): the same
+# set, each also a variable.
+SERVE_FLAGS = (
+    "allow-remote grace history history-retention-days job-policy job-retention "
+    "join-deadline listen log-format log-level manifest-timeout max-cohort-manifest-bytes "
+    "max-cohorts max-manifest-bytes max-manifest-entries max-message-bytes max-upload-bytes "
+    "max-waiting-ranks max-watchers max-watchers-per-token max-world-size metrics-listen "
+    "policy port-file progress-interval rank-grace tls-cert tls-client-ca tls-key "
+    "tokens-file watch-interval"
+).split()
+RELAY_FLAGS = (
+    "listen local-ranks log-format log-level max-message-bytes port-file rank-grace tls-cert "
+    "tls-client-ca tls-key upstream window"
+).split()
+
+
+def _flags(command: str) -> dict[str, str]:
+    """--flag -> its help, as `cohortgate COMMAND --help` has them."""
+    import argparse
+
+    from coordinator.cli.main import build_parser
+
+    sub = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices[command]
+    return {
+        o.removeprefix("--"): a.help or ""
+        for a in sub._actions
+        for o in a.option_strings
+        if o.startswith("--") and o != "--help"
+    }
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "prefix"),
+    [("serve", SERVE_FLAGS, "COHORTGATE_"), ("relay", RELAY_FLAGS, "COHORTGATE_RELAY_")],
+)
+def test_every_flag_is_the_one_it_was_and_names_its_variable_and_default(
+    command: str, flags: list[str], prefix: str
+) -> None:
+    helps = _flags(command)
+    assert sorted(helps) == sorted(flags)
+    for flag, said in helps.items():
+        var = prefix + flag.upper().replace("-", "_")
+        assert f"${var}" in said, (flag, said)
+        assert "default: " in said or "required" in said, (flag, said)
+
+
+def test_a_variable_sets_what_its_flag_sets_and_the_flag_wins() -> None:
+    from coordinator.edge.config import RelayConfig, ServeConfig, from_env_and_flags
+
+    env = {f"COHORTGATE_{f.upper().replace('-', '_')}": "" for f in SERVE_FLAGS}
+    env |= {"COHORTGATE_JOIN_DEADLINE": "120", "COHORTGATE_POLICY": "code=strict"}
+    serve = from_env_and_flags(ServeConfig, {}, env)
+    assert serve.join_deadline == 120 and serve.policies.default == {"code": "strict"}
+    assert from_env_and_flags(ServeConfig, {"join_deadline": 5.0}, env).join_deadline == 5.0
+    for field in ServeConfig.model_fields:  # every field is read from its variable
+        assert f"COHORTGATE_{field.upper()}" in env, field
+    relay = from_env_and_flags(
+        RelayConfig,
+        {"upstream": "127.0.0.1:1"},
+        {"COHORTGATE_RELAY_RANK_GRACE": "3", "COHORTGATE_RELAY_WINDOW": "0.5"},
+    )
+    assert (relay.rank_grace, relay.window) == (3.0, 0.5)
+
+
+def test_the_relays_server_tls_is_never_the_clients_certificate(pki: Path) -> None:
+    """COHORTGATE_TLS_CERT/_KEY are a client's certificate (the relay's upstream, an
+    agent's): the relay's own port reads COHORTGATE_RELAY_TLS_* only."""
+    from coordinator.edge.config import RelayConfig, from_env_and_flags
+
+    client = {"COHORTGATE_TLS_CERT": str(pki / "client.pem"), "COHORTGATE_TLS_KEY": "x"}
+    relay = from_env_and_flags(RelayConfig, {"upstream": "127.0.0.1:1"}, client)
+    assert not relay.tls.on
+    own = client | {
+        "COHORTGATE_RELAY_TLS_CERT": str(pki / "server.pem"),
+        "COHORTGATE_RELAY_TLS_KEY": str(pki / "server.key"),
+    }
+    relay = from_env_and_flags(RelayConfig, {"upstream": "127.0.0.1:1"}, own)
+    assert relay.tls.cert == pki / "server.pem" and relay.tls.mode == "on"

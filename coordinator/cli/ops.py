@@ -19,7 +19,7 @@ from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
 from coordinator.codec.wire import STATE_NAMES
 from coordinator.contract.addr import DEFAULT_ADDR
-from coordinator.edge.rpc import record_to_pb
+from coordinator.edge.replies import record_to_pb
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

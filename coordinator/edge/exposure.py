@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ipaddress
+import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -39,17 +41,44 @@ def check_tls_files(
             raise ValueError(f"{flags}-{suffix} {path}: no such file")
 
 
-def server_credentials(
-    cert: Path | None, key: Path | None, client_ca: Path | None
-) -> grpc.ServerCredentials | None:
-    """TLS for a listening port (None: clear text); with `client_ca`, mutual TLS."""
-    if cert is None or key is None:
-        return None
-    return grpc.ssl_server_credentials(
-        [(key.read_bytes(), cert.read_bytes())],
-        root_certificates=client_ca.read_bytes() if client_ca else None,
-        require_client_auth=client_ca is not None,
-    )
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS for one listening port: its certificate and key, and with `client_ca`, mutual
+    TLS. Every port that listens (serve's gRPC and HTTP ports, a relay's) is served from
+    one of these; `check` runs once, when its settings are read."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    client_ca: Path | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.cert is not None and self.key is not None
+
+    @property
+    def mode(self) -> str:
+        return "mutual" if self.client_ca else "on" if self.on else "off"
+
+    def check(self, flags: str = "--tls") -> None:
+        check_tls_files(flags, self.cert, self.key, self.client_ca)
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """For a gRPC port (None: clear text)."""
+        if self.cert is None or self.key is None:
+            return None
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.client_ca.read_bytes() if self.client_ca else None,
+            require_client_auth=self.client_ca is not None,
+        )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For an HTTP port (None: clear text): the same certificate as the gRPC port."""
+        if self.cert is None or self.key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        return context
 
 
 def unprotected(tls: bool, tokens: bool | None) -> str | None:

@@ -17,31 +17,22 @@ before the verdict makes the relay re-join the rest of its group without it.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.limits import Limits
-from coordinator.edge.exposure import exposed, server_credentials
 from coordinator.edge.plumbing import (
     RAW_CHUNKS,
-    add_service,
     keepalive_client_options,
-    keepalive_server_options,
 )
-from coordinator.edge.ports import bind
 
 log = structlog.get_logger("cohortgate.relay")
 
@@ -410,83 +401,3 @@ class Relay(pb_grpc.CohortServiceServicer):
         for task in list(self._tasks):
             task.cancel()
         await self.channel.close()
-
-
-@dataclass(frozen=True)
-class RelayTLS:
-    """The relay's own port (what its ranks or lower relays connect to), never its upstream
-    client settings (COHORTGATE_TLS_*): --tls-cert, --tls-key, --tls-client-ca, or
-    COHORTGATE_RELAY_TLS_CERT, _KEY, _CLIENT_CA."""
-
-    cert: Path | None = None
-    key: Path | None = None
-    client_ca: Path | None = None
-
-
-async def serve_relay(
-    upstream: str,
-    listen: str,
-    *,
-    window_s: float = 2.0,
-    local_ranks: int = 8,
-    port_file: str | None = None,
-    max_message_bytes: int = Limits.max_message_bytes,
-    rank_grace_s: float = 15.0,
-    tls: RelayTLS | None = None,
-) -> None:
-    """Serve until SIGTERM or SIGINT."""
-    tls = tls or RelayTLS()
-    relay = Relay(
-        upstream,
-        ClientSecurity.from_env(),
-        window_s=window_s,
-        local_ranks=local_ranks,
-        max_message_bytes=max_message_bytes,
-        rank_grace_s=rank_grace_s,
-    )
-    server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 0),  # one relay per address (see server.py)
-            ("grpc.max_receive_message_length", max_message_bytes),
-            # A dead or frozen rank (SIGSTOP, a hung process: its connection stays open)
-            # is dropped within the grace, as the coordinator drops a direct one; the
-            # rest of its group re-joins without it. Without this the coordinator pings
-            # only the relay, which answers for every rank behind it.
-            *keepalive_server_options(rank_grace_s),
-        ]
-    )
-    add_service(server, "CohortService", relay, raw=RAW_CHUNKS)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = bind(server, "--listen", listen, server_credentials(tls.cert, tls.key, tls.client_ca))
-    await server.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    if port_file:
-        with open(port_file, "w") as f:
-            f.write(f"{port}\n0\n")
-    if exposed(listen) and tls.cert is None:
-        log.warning(
-            "serving a non-loopback address without TLS",
-            listen=listen,
-            advice="every rank's token crosses the network in clear and anyone who reaches "
-            "the port can join its ranks' jobs; see --tls-cert/--tls-key "
-            "(COHORTGATE_RELAY_TLS_CERT/_KEY)",
-        )
-    log.info(
-        "relaying",
-        listen=f"{listen.rpartition(':')[0]}:{port}",
-        upstream=upstream,
-        local_ranks=local_ranks,
-        window_s=window_s,
-        rank_grace_s=rank_grace_s,
-        tls="mutual" if tls.client_ca else "on" if tls.cert else "off",
-        pid=os.getpid(),
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await health.enter_graceful_shutdown()
-    await server.stop(2.0)
-    await relay.close()

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import os
 import signal
-import ssl
 import sys
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.edge.auth import Auth, TokenStore
 from coordinator.edge.config import ServeConfig
-from coordinator.edge.exposure import server_credentials, unprotected
+from coordinator.edge.exposure import unprotected
 from coordinator.edge.http import MetricsServer
 from coordinator.edge.plumbing import RAW_JOINS, add_service, keepalive_server_options
 from coordinator.edge.ports import BindError, bind, check_free
@@ -83,8 +82,7 @@ def _auth(config: ServeConfig) -> Auth:
 
 
 async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> RunningServer:
-    config.check_exposure()
-    config.check_tls()
+    # (exposure, TLS files and policies were checked when `config` was built)
     # Before anything else: a second coordinator on a held address must stop here, in
     # one line, not share the port (gRPC's SO_REUSEPORT) and split a job's ranks.
     check_free("--listen", config.listen)
@@ -137,12 +135,14 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         ),
         server,
     )
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    credentials = config.tls.credentials()
     port = bind(server, "--listen", config.listen, credentials)
     metrics = None
     if config.metrics_listen != "off":
         try:
-            metrics = MetricsServer(coordinator, config.metrics_listen, auth, _http_tls(config))
+            metrics = MetricsServer(
+                coordinator, config.metrics_listen, auth, config.tls.ssl_context()
+            )
             await metrics.start()
         except OSError as exc:
             check_free("--metrics-listen", config.metrics_listen)  # names the holder
@@ -176,16 +176,6 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         pid=os.getpid(),
     )
     return running
-
-
-def _http_tls(config: ServeConfig) -> ssl.SSLContext | None:
-    """The HTTP port speaks TLS with the gRPC port's certificate when TLS is configured:
-    the status page's admin token must not cross the network in clear."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(config.tls_cert, config.tls_key)
-    return context
 
 
 async def _sweep(coordinator: Coordinator, retention_s: float) -> None:

@@ -29,7 +29,7 @@ from coordinator.contract.errors import (
 )
 from coordinator.contract.limits import Limits
 from coordinator.decision.cohort import UploadKind
-from coordinator.edge import rpc
+from coordinator.edge import replies, rpc
 from coordinator.edge.auth import Auth
 from coordinator.service.core import Coordinator
 from coordinator.service.status import CohortSummary
@@ -183,7 +183,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
                 on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
             )
             async for event in events:
-                yield rpc.event_to_pb(event)
+                yield replies.event_to_pb(event)
 
     async def UploadManifest(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
         self, data: bytes, context: grpc.aio.ServicerContext
@@ -324,7 +324,7 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
         job_id, _ = await self._scope(context, "ListCohorts", request.job_id)
         summaries = self.coordinator.summaries(job_id)
         if self._listed[0] is not summaries:  # a large listing is reused for 0.25 s
-            response = pb.ListCohortsResponse(cohorts=[rpc.summary_to_pb(s) for s in summaries])
+            response = pb.ListCohortsResponse(cohorts=[replies.summary_to_pb(s) for s in summaries])
             self._listed = (summaries, response.SerializeToString())
         return self._listed[1]
 
@@ -335,7 +335,7 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
             return hit[1]
         if len(self._encodings) >= 4096:
             self._encodings.clear()
-        data = rpc.summary_to_pb(summary).SerializeToString()
+        data = replies.summary_to_pb(summary).SerializeToString()
         self._encodings[id(summary)] = (summary, data)
         return data
 
@@ -351,7 +351,7 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
             summary = next(
                 s for s in self.coordinator.summaries(cohort.job_id) if s.round == cohort.round
             )
-            return rpc.detail_to_pb(summary, cohort)
+            return replies.detail_to_pb(summary, cohort)
         raise AssertionError("unreachable")  # answering aborts the call
 
     async def WatchCohorts(  # type: ignore[override]  # encoded once per tick, sent as bytes
@@ -374,5 +374,5 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
             if row is None:
                 what = f"round {request.round} of job" if request.round else "job"
                 raise NotFound(f"no verdict for {what} '{request.job_id[:64]}' in the history")
-            return rpc.record_to_pb(row)
+            return replies.record_to_pb(row)
         raise AssertionError("unreachable")  # answering aborts the call

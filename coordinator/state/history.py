@@ -9,15 +9,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 
-from coordinator.contract import ranges
-from coordinator.contract.diff import ManifestDiff
 from coordinator.contract.errors import Unavailable
-from coordinator.decision.verdict import Cause, Finding, Outcome, SignatureClass, Verdict
+from coordinator.decision.verdict import Verdict
 from coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
+from coordinator.state.records import verdict_from_json, verdict_to_json
 
 log = structlog.get_logger("cohortgate")
 _T = TypeVar("_T")
@@ -180,84 +179,6 @@ class _Writer(threading.Thread):
                 error=self.error,
                 advice="every rank received them; only the record is missing",
             )
-
-
-def verdict_to_json(v: Verdict) -> str:
-    """The domain verdict as JSON; diffs keep LIST_CAP items per list and their counts, so
-    the stored verdict renders and encodes exactly as the one the ranks received."""
-    return json.dumps(
-        {
-            "outcome": v.outcome.value,
-            "job_id": v.job_id,
-            "round": v.round,
-            "cohort_id": v.cohort_id,
-            "world_size": v.world_size,
-            "reason": v.reason,
-            "decided_at": v.decided_at,
-            "init_method": v.init_method,
-            "cause": v.cause.value if v.cause else None,
-            "classes": [
-                {
-                    "signature": c.signature.hex(),
-                    "ranks": ranges.compress(c.ranks),
-                    "hosts": list(c.hosts),
-                    "manifest_entries": c.manifest_entries,
-                    "reference": c.reference,
-                    "group": c.group,
-                }
-                for c in v.classes
-            ],
-            "diffs": [
-                [group, sig.hex(), None if d is None else d.capped().to_dict()]
-                for (group, sig), d in v.diffs.items()
-            ],
-            "findings": [
-                [f.check, str(f.level), f.text, ranges.compress(f.ranks)] for f in v.findings
-            ],
-            "missing_ranks": ranges.compress(v.missing_ranks),
-            "present_ranks": ranges.compress(v.present_ranks),
-            "report": v.report,
-            "headline": v.headline,
-        }
-    )
-
-
-def verdict_from_json(text: str) -> Verdict:
-    d: dict[str, Any] = json.loads(text)
-    return Verdict(
-        outcome=Outcome(d["outcome"]),
-        job_id=d["job_id"],
-        round=d["round"],
-        cohort_id=d["cohort_id"],
-        world_size=d["world_size"],
-        reason=d["reason"],
-        decided_at=d["decided_at"],
-        init_method=d["init_method"],
-        cause=None if d["cause"] is None else Cause(d["cause"]),
-        classes=tuple(
-            SignatureClass(
-                bytes.fromhex(c["signature"]),
-                tuple(ranges.expand(c["ranks"])),
-                tuple(c["hosts"]),
-                c["manifest_entries"],
-                c["reference"],
-                c["group"],
-            )
-            for c in d["classes"]
-        ),
-        diffs={
-            (group, bytes.fromhex(sig)): None if diff is None else ManifestDiff.from_dict(diff)
-            for group, sig, diff in d["diffs"]
-        },
-        findings=tuple(
-            Finding(check, level, text, tuple(ranges.expand(rs)))
-            for check, level, text, rs in d["findings"]
-        ),
-        missing_ranks=tuple(ranges.expand(d["missing_ranks"])),
-        present_ranks=tuple(ranges.expand(d["present_ranks"])),
-        report=d["report"],
-        headline=d["headline"],
-    )
 
 
 class HistoryError(OSError):

@@ -1,0 +1,58 @@
+"""Flags generated from a settings model (edge/config.py): one flag per field, its help the
+field's description with its default and variable, its type the field's."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], env_prefix: str) -> None:
+    """Every field of `model` as a flag whose default is None (not given): the variable, then
+    the field's default, apply unless the flag is given."""
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        var = env_prefix + name.upper()
+        if field.is_required():
+            said = f"required; ${var}"
+        else:
+            default = field.get_default(call_default_factory=True)
+            shown = "off" if default in (None, "", False) else default
+            said = f"default: {shown}; ${var}"
+        help_text = f"{field.description or ''} ({said})".lstrip()
+        kwargs: dict[str, Any] = {"help": help_text, "default": None}
+        annotation = field.annotation
+        args = typing.get_args(annotation)
+        if annotation is bool:
+            kwargs.update(action="store_const", const=True)
+        elif typing.get_origin(annotation) is Literal:
+            kwargs["choices"] = list(args)
+        elif extra.get("repeat"):
+            kwargs["action"] = "append"
+        else:
+            kind: Any = next((a for a in args if a is not type(None)), annotation)
+            kwargs["type"] = kind
+            metavar = {Path: "PATH", int: "N", float: "N"}.get(kind)
+            if metavar is not None:
+                kwargs["metavar"] = metavar
+        parser.add_argument(flag_of(name), **kwargs)
+
+
+def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """The flags the user gave, by field name; repeatable ones joined with ","."""
+    out: dict[str, Any] = {}
+    for name in model.model_fields:
+        value = getattr(args, name, None)
+        if isinstance(value, list):
+            value = ",".join(value)
+        if value is not None:
+            out[name] = value
+    return out

@@ -1,0 +1,91 @@
+"""`cohortgate relay`'s server: the Relay servicer (relay.py) on its own port, with TLS,
+health and keepalive, until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from coordinator.codec.channel import ClientSecurity
+from coordinator.contract.limits import Limits
+from coordinator.edge.exposure import ServerTLS, exposed
+from coordinator.edge.plumbing import RAW_CHUNKS, add_service, keepalive_server_options
+from coordinator.edge.ports import bind
+from coordinator.edge.relay import Relay
+
+log = structlog.get_logger("cohortgate.relay")
+
+
+async def serve_relay(
+    upstream: str,
+    listen: str,
+    *,
+    window_s: float = 2.0,
+    local_ranks: int = 8,
+    port_file: str | None = None,
+    max_message_bytes: int = Limits.max_message_bytes,
+    rank_grace_s: float = 15.0,
+    tls: ServerTLS | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    tls = tls or ServerTLS()
+    relay = Relay(
+        upstream,
+        ClientSecurity.from_env(),
+        window_s=window_s,
+        local_ranks=local_ranks,
+        max_message_bytes=max_message_bytes,
+        rank_grace_s=rank_grace_s,
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),  # one relay per address (see server.py)
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # A dead or frozen rank (SIGSTOP, a hung process: its connection stays open)
+            # is dropped within the grace, as the coordinator drops a direct one; the
+            # rest of its group re-joins without it. Without this the coordinator pings
+            # only the relay, which answers for every rank behind it.
+            *keepalive_server_options(rank_grace_s),
+        ]
+    )
+    add_service(server, "CohortService", relay, raw=RAW_CHUNKS)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = bind(server, "--listen", listen, tls.credentials())
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    if port_file:
+        with open(port_file, "w") as f:
+            f.write(f"{port}\n0\n")
+    if exposed(listen) and not tls.on:
+        log.warning(
+            "serving a non-loopback address without TLS",
+            listen=listen,
+            advice="every rank's token crosses the network in clear and anyone who reaches "
+            "the port can join its ranks' jobs; see --tls-cert/--tls-key "
+            "(COHORTGATE_RELAY_TLS_CERT/_KEY)",
+        )
+    log.info(
+        "relaying",
+        listen=f"{listen.rpartition(':')[0]}:{port}",
+        upstream=upstream,
+        local_ranks=local_ranks,
+        window_s=window_s,
+        rank_grace_s=rank_grace_s,
+        tls=tls.mode,
+        pid=os.getpid(),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    await server.stop(2.0)
+    await relay.close()
