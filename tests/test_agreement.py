@@ -162,10 +162,37 @@ def test_a_config_of_ten_thousand_keys_is_refused_at_the_limit() -> None:
     )
 
 
-def test_the_cause_reaches_the_wire() -> None:
+def test_every_cause_reaches_the_wire_and_every_agreed_key_is_a_join_field() -> None:
+    from coordinator.api.v1 import cohort_pb2 as pb
+    from coordinator.contract.fingerprint import AGREED
     from coordinator.edge.replies import _CAUSE_TO_PB
 
-    assert {Cause.CONFIG, Cause.CODE, Cause.FACTS} <= set(_CAUSE_TO_PB)
+    assert set(_CAUSE_TO_PB) == set(Cause)
+    assert len(set(_CAUSE_TO_PB.values())) == len(Cause), "two causes share a wire value"
+    join = pb.JoinRequest.DESCRIPTOR.fields_by_name
+    for name in AGREED:  # the agent sends it, the coordinator reads it, by this name
+        assert name in join and join[name].message_type.name == "Fingerprint", name
+
+
+def test_every_refusal_is_worded_by_what_refused() -> None:
+    """Each check and each of formation's gates owns its words; together they cover every
+    cause, and none falls back on another's advice."""
+    from coordinator.decision.checks import CHECKS
+    from coordinator.decision.checks.gates import GATES
+    from coordinator.decision.report import WORDS
+
+    assert {w.cause for w in WORDS.values()} == set(Cause)
+    assert set(WORDS) == {w.name for w in (*GATES, *CHECKS)}, "two share a name"
+    for check in CHECKS:
+        for attr in ("head", "advice", "refusal", "help"):
+            assert getattr(check, attr, ""), (check.name, attr)
+    by_cause: dict[Cause, set[str]] = {}
+    for check in CHECKS:
+        by_cause.setdefault(check.cause, set()).add(check.advice)
+    model_advice = next(iter(by_cause[Cause.SIGNATURE_MISMATCH]))
+    for cause, advice in by_cause.items():
+        if cause not in (Cause.SIGNATURE_MISMATCH, Cause.LAYOUT):
+            assert model_advice not in advice, f"{cause} refusals get model-building advice"
 
 
 def test_the_tokenizer_fingerprint_catches_one_added_special_token() -> None:

@@ -234,18 +234,53 @@ def test_a_world_readable_tokens_file_starts_with_a_warning_naming_it(tmp_path: 
 # -- one source per setting: flags and variables generated from the settings models -----
 # The flags as they were written by hand before they were generated (issue 24): the same
 # set, each also a variable.
-SERVE_FLAGS = (
-    "allow-remote grace history history-retention-days job-policy job-retention "
-    "join-deadline listen log-format log-level manifest-timeout max-cohort-manifest-bytes "
-    "max-cohorts max-manifest-bytes max-manifest-entries max-message-bytes max-upload-bytes "
-    "max-waiting-ranks max-watchers max-watchers-per-token max-world-size metrics-listen "
-    "policy port-file progress-interval rank-grace tls-cert tls-client-ca tls-key "
-    "tokens-file watch-interval"
-).split()
-RELAY_FLAGS = (
-    "listen local-ranks log-format log-level max-message-bytes port-file rank-grace tls-cert "
-    "tls-client-ca tls-key upstream window"
-).split()
+SERVE_FLAGS = [
+    "allow-remote",
+    "grace",
+    "history",
+    "history-retention-days",
+    "job-policy",
+    "job-retention",
+    "join-deadline",
+    "listen",
+    "log-format",
+    "log-level",
+    "manifest-timeout",
+    "max-cohort-manifest-bytes",
+    "max-cohorts",
+    "max-manifest-bytes",
+    "max-manifest-entries",
+    "max-message-bytes",
+    "max-upload-bytes",
+    "max-waiting-ranks",
+    "max-watchers",
+    "max-watchers-per-token",
+    "max-world-size",
+    "metrics-listen",
+    "policy",
+    "port-file",
+    "progress-interval",
+    "rank-grace",
+    "tls-cert",
+    "tls-client-ca",
+    "tls-key",
+    "tokens-file",
+    "watch-interval",
+]
+RELAY_FLAGS = [
+    "listen",
+    "local-ranks",
+    "log-format",
+    "log-level",
+    "max-message-bytes",
+    "port-file",
+    "rank-grace",
+    "tls-cert",
+    "tls-client-ca",
+    "tls-key",
+    "upstream",
+    "window",
+]
 
 
 def _flags(command: str) -> dict[str, str]:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from coordinator.contract import ranges
 from coordinator.decision.checks import CHECKS, Check, Context, Policies, Result
+from coordinator.decision.checks.gates import DEADLINE, LAUNCH, UPLOADS
 from coordinator.decision.classes import launch_groups, signature_classes
 from coordinator.decision.cohort import INVALID_UPLOAD, CohortState
 from coordinator.decision.verdict import (
-    Cause,
     Decision,
     Level,
     Outcome,
@@ -43,7 +43,8 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
         return Decision(
             Outcome.REFUSED,
             f"[ranks of {len(groups)} launches joined under one job id]",
-            cause=Cause.LAUNCH,
+            cause=LAUNCH.cause,
+            check=LAUNCH.name,
             launches=groups,
             present_ranks=tuple(sorted(cohort.members)),
         )
@@ -56,7 +57,8 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
             Outcome.REFUSED,
             f"[join deadline of {options.join_deadline_s:g}s passed with {joined}/{n} ranks "
             f"joined; missing ranks {ranges.compress(missing)}]",
-            cause=Cause.DEADLINE,
+            cause=DEADLINE.cause,
+            check=DEADLINE.name,
             missing_ranks=tuple(missing),
             present_ranks=tuple(sorted(cohort.members)),
         )
@@ -64,7 +66,7 @@ def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decisi
     if cohort.invalid_uploads:
         kinds = Counter(kind for kind, _ in cohort.invalid_uploads)
         said = "; ".join(f"{count} {INVALID_UPLOAD[kind]}" for kind, count in kinds.items())
-        return Decision(Outcome.REFUSED, f"[{said}]", cause=Cause.MANIFEST_INVALID)
+        return Decision(Outcome.REFUSED, f"[{said}]", cause=UPLOADS.cause, check=UPLOADS.name)
     # Each class's manifest is checked against its signature before the verdict: for one
     # class that proves the signature is honest, for several it explains the difference.
     classes = signature_classes(cohort)
@@ -126,6 +128,7 @@ def _checked(
             Outcome.REFUSED,
             result.reason or check.reason(ctx, strict),
             cause=result.cause or check.cause,
+            check=check.name,
             classes=classes,
             findings=findings,
             weights=result.weights,

@@ -91,6 +91,9 @@ class Decision:
     findings: tuple[Finding, ...] = ()
     launches: tuple[LaunchGroup, ...] = ()
     weights: str = ""  # a weights refusal's kind: values | unsent | buffers | sharded
+    # REFUSED only: the name of the check (or formation's gate) that refused, whose words
+    # the report uses (report.WORDS)
+    check: str = ""
     # WAITING only: the next moment this decision can change by itself, with nothing
     # joining, leaving or uploading (the join deadline, or the upload timeout once every
     # rank is in); the caller decides again then. None when decided.

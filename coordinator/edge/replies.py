@@ -26,18 +26,21 @@ from coordinator.service.events import JoinEvent, UploadAsk
 from coordinator.service.status import CohortSummary
 from coordinator.state.base import LiveCohort, VerdictRow
 
-_CAUSE_TO_PB = {
-    Cause.SIGNATURE_MISMATCH: pb.Refusal.CAUSE_SIGNATURE_MISMATCH,
-    Cause.DEADLINE: pb.Refusal.CAUSE_DEADLINE,
-    Cause.MANIFEST_INVALID: pb.Refusal.CAUSE_MANIFEST_INVALID,
-    Cause.LAYOUT: pb.Refusal.CAUSE_LAYOUT,
-    Cause.RUNTIME: pb.Refusal.CAUSE_RUNTIME,
-    Cause.WEIGHTS: pb.Refusal.CAUSE_WEIGHTS,
-    Cause.LAUNCH: pb.Refusal.CAUSE_LAUNCH,
-    Cause.CONFIG: pb.Refusal.CAUSE_CONFIG,
-    Cause.CODE: pb.Refusal.CAUSE_CODE,
-    Cause.FACTS: pb.Refusal.CAUSE_FACTS,
-}
+
+def _causes() -> dict[Cause, pb.Refusal.Cause.ValueType]:
+    """Each domain cause as the wire's Refusal.Cause of the same name: a cause added
+    without its proto value stops the coordinator at import, not at its first refusal."""
+    named = set(pb.Refusal.Cause.keys())
+    missing = [c.name for c in Cause if "CAUSE_" + c.name not in named]
+    if missing:
+        raise ImportError(
+            f"Cause {', '.join(missing)} has no CAUSE_<NAME> value in Refusal.Cause "
+            "(proto/coordinator/api/v1/cohort.proto): add it there and run `make proto`"
+        )
+    return {c: pb.Refusal.Cause.Value("CAUSE_" + c.name) for c in Cause}
+
+
+_CAUSE_TO_PB = _causes()
 
 
 def summary_to_pb(s: CohortSummary) -> pb.CohortSummary:

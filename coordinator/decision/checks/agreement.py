@@ -8,7 +8,7 @@ from collections import Counter
 
 from coordinator.contract.fingerprint import AGREED, Fields, disagreements
 from coordinator.decision.checks.base import Check, Context, Result
-from coordinator.decision.verdict import Cause, Finding, Level
+from coordinator.decision.verdict import Cause, Decision, Finding, Level
 
 
 class AgreementCheck(Check):
@@ -24,7 +24,8 @@ class AgreementCheck(Check):
         self.cause = cause  # type: ignore[misc]
         self.what = what  # "disagree on the model config": the refusal says who (ranks, they)
         self.refusal = f"ranks {what}"  # type: ignore[misc]
-        self.advice = advice  # the report's "What to do"
+        self.head = f"they {what}"  # type: ignore[misc]
+        self.advice = advice  # type: ignore[misc]
         self.help = f"every rank sends the same {AGREED[name]}"  # type: ignore[misc]
         self.partial_strict = partial_strict
 
@@ -47,6 +48,13 @@ class AgreementCheck(Check):
     def reason(self, ctx: Context, strict: list[Finding]) -> str:
         n = ctx.cohort.world_size
         return f"[{n}/{n} ranks joined; {self.refusal}]"
+
+    def strict_headline(self, decision: Decision) -> str:
+        strict = [f for f in decision.findings if f.level is Level.STRICT]
+        if not strict:
+            return decision.reason.strip("[]")
+        more = f" (and {len(strict) - 1} more)" if len(strict) > 1 else ""
+        return f"{self.refusal}: {strict[0].text}{more}"
 
 
 def _minority(sent: dict[int, Fields | None]) -> tuple[int, ...]:
@@ -87,5 +95,3 @@ AGREEMENT_CHECKS = (
         partial_strict=True,
     ),
 )
-# The report's words for a refusal by one of them.
-AGREEMENT_BY_CAUSE = {c.cause: c for c in AGREEMENT_CHECKS}

@@ -1,4 +1,5 @@
-"""What a check is: a name, a default level, a cause, and findings over the cohort."""
+"""What a check is: a name, a default level, a cause, findings over the cohort, and the
+words of its refusal (headline, report head, advice)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from coordinator.contract import ranges
+from coordinator.contract.diff import ManifestDiff
 from coordinator.contract.layout import Layout
 from coordinator.contract.ranges import by_value
 from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Cause, Finding, Level, SignatureClass
+from coordinator.decision.verdict import Cause, Decision, DiffKey, Finding, Level, SignatureClass
+from coordinator.decision.words import class_lines, culprits_headline, refused
 
 
 @dataclass
@@ -46,15 +50,42 @@ class Result:
         return self.refuse or any(f.level is Level.STRICT for f in self.findings)
 
 
-class Check:
+class Words:
+    """What a refusal says, owned by what refused (a check, or one of formation's own gates):
+    its one-line headline and its report. `report.py` assembles a verdict from these and
+    never switches on the cause."""
+
+    name: ClassVar[str]
+    cause: ClassVar[Cause]
+
+    def headline(self, cohort: CohortState, decision: Decision) -> str:
+        """The refusal in one line, culprit ranks first."""
+        raise NotImplementedError
+
+    def report(
+        self,
+        cohort: CohortState,
+        decision: Decision,
+        diffs: dict[DiffKey, ManifestDiff | None],
+        deadline_s: float,
+    ) -> str:
+        """The full refusal report every rank prints."""
+        raise NotImplementedError
+
+
+class Check(Words):
     """One check. Subclasses set the class attributes and implement `run`; the decision
-    runs every check in the registry's order and refuses for the first that refuses."""
+    runs every check in the registry's order and refuses for the first that refuses.
+    Its report reads: "all N ranks joined, but <head>", its findings, the signature
+    classes with their diffs, then "What to do: <advice>"."""
 
     name: ClassVar[str]
     default: ClassVar[Level]
     cause: ClassVar[Cause]
     help: ClassVar[str]  # a few words for --help and the README
     refusal: ClassVar[str]  # what a refusal says failed, in a user's words
+    head: ClassVar[str]  # the report's first line: "all N ranks joined, but <head>."
+    advice: ClassVar[str]  # the report's last line: "What to do: <advice>"
     # True: runs only when no check before it refuses (it asks ranks for uploads)
     needs_clean: ClassVar[bool] = False
 
@@ -66,6 +97,39 @@ class Check:
         n = ctx.cohort.world_size
         names = ", ".join(dict.fromkeys(f.check for f in strict))
         return f"[{len(ctx.cohort.members)}/{n} ranks joined; {self.refusal}: {names}]"
+
+    # -- its words ---------------------------------------------------------------------
+    def heading(self, cohort: CohortState, decision: Decision) -> str:
+        return f"all {cohort.world_size} ranks joined, but {self.head}."
+
+    def what_to_do(self, decision: Decision) -> str:
+        return self.advice
+
+    def headline(self, cohort: CohortState, decision: Decision) -> str:
+        return culprits_headline(decision) or self.strict_headline(decision)
+
+    def strict_headline(self, decision: Decision) -> str:
+        """A refusal by findings: the first strict one, in words."""
+        strict = [f for f in decision.findings if f.level is Level.STRICT]
+        if not strict:
+            return decision.reason.strip("[]")
+        f = strict[0]
+        ranks = f"ranks {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
+        return f"{f.check}: {ranks}{f.text}"
+
+    def report(
+        self,
+        cohort: CohortState,
+        decision: Decision,
+        diffs: dict[DiffKey, ManifestDiff | None],
+        deadline_s: float,
+    ) -> str:
+        lines = [refused(cohort, self.heading(cohort, decision))]
+        for f in sorted(decision.findings, key=lambda f: f.level is not Level.STRICT):
+            lines.append(f"{f.level} {f.check}: {f.text}")
+        lines += class_lines(decision.classes, diffs)
+        lines.append("What to do: " + self.what_to_do(decision))
+        return "\n".join(lines)
 
 
 def disagreement(name: str, values: Mapping[int, str]) -> str | None:

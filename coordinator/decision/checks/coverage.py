@@ -14,6 +14,7 @@ from coordinator.decision.checks.base import Check, Context, Result
 from coordinator.decision.checks.layout import layered_reason
 from coordinator.decision.pieces import CohortPieces, Rows
 from coordinator.decision.verdict import Cause, Finding, Level
+from coordinator.decision.words import MODEL_ADVICE
 
 # Tensors that fail, examined one by one to name their problems; past this, counted.
 DETAILED = 64
@@ -25,6 +26,8 @@ class CoverageCheck(Check):
     cause = Cause.LAYOUT
     help = "the shards of each replica tile every tensor, once"
     refusal = "layered identity"
+    head = "their layered identities disagree"
+    advice = MODEL_ADVICE
 
     def run(self, ctx: Context, level: Level) -> Result:
         layouts = ctx.layouts

@@ -9,6 +9,7 @@ from coordinator.contract import ranges
 from coordinator.contract.layout import AXES, Layout
 from coordinator.decision.checks.base import Check, Context, Result, disagreement
 from coordinator.decision.verdict import Cause, Finding, Level
+from coordinator.decision.words import MODEL_ADVICE
 
 # Under a layout the layout, coverage and model checks together are its layered identity.
 LAYERED = ("layout", "coverage", "model")
@@ -41,6 +42,8 @@ class LayoutCheck(Check):
     cause = Cause.LAYOUT
     help = "every rank declares the same mesh and holds its position exactly once"
     refusal = "layered identity"
+    head = "their layered identities disagree"
+    advice = MODEL_ADVICE
 
     def run(self, ctx: Context, level: Level) -> Result:
         layouts, members = ctx.layouts, ctx.cohort.members

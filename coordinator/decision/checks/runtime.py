@@ -17,6 +17,13 @@ class RuntimeCheck(Check):
 
     cause = Cause.RUNTIME
     refusal = "runtimes disagree"
+    head = "their runtimes disagree"
+    advice = (
+        "every rank must run the same software and device stack: the fields above differ "
+        "between the ranks named (another container image, driver or torch build on some "
+        "nodes). Run one image everywhere, or set --policy CHECK=warn for a difference you "
+        "accept, then relaunch."
+    )
 
     def __init__(
         self, name: str, field: str, default: Level, normal: Callable[[str], str] = str

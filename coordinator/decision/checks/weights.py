@@ -11,7 +11,7 @@ from coordinator.contract.digests import differing
 from coordinator.decision.checks.base import Check, Context, Result
 from coordinator.decision.classes import weight_classes
 from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Cause, Finding, Level
+from coordinator.decision.verdict import Cause, Decision, Finding, Level
 
 NAMES_SHOWN = 10
 # A weights refusal's kind -> the words its reason uses
@@ -29,6 +29,30 @@ def _by_size(classes: dict[bytes, list[int]]) -> list[tuple[bytes, list[int]]]:
     return [ordered[0], *sorted(ordered[1:], key=lambda kv: kv[1][0])]
 
 
+# A weights refusal has four kinds; each has its own head and advice.
+WEIGHT_HEADS = {
+    "values": "replicas start from different weights.",
+    "unsent": "some ranks sent no weight digest, which the weights check (strict) requires.",
+    "buffers": "buffers computed from the model config differ (the weights themselves agree): "
+    "the ranks' model configs differ, not their seeds.",
+    "sharded": "their parameters are sharded DTensors (FSDP2 / tensor parallel) and no layout "
+    "was declared, so every rank's shard was compared with every other rank's.",
+}
+WEIGHT_ADVICE = {
+    "values": "every replica must start from the same weights: seed every rank alike, load "
+    "the same checkpoint everywhere (look for a stale copy on the hosts named), or broadcast "
+    "the weights from one rank before joining.",
+    "unsent": "call agent.join(model, verify_values=True) (or agent.init_process_group(..., "
+    "verify_values=True)) on every rank, or turn the check off for this job with "
+    "--job-policy JOB:weights=off.",
+    "buffers": "compare the model config on the ranks named (for example rope_theta, "
+    "rope_scaling, max_position_embeddings): buffers such as rotary frequencies are computed "
+    "from it. Load one config everywhere.",
+    "sharded": "declare the layout (agent.layout(...) passed as layout=) so that only the "
+    "ranks holding the same shard are compared, or join without verify_values.",
+}
+
+
 class WeightsCheck(Check):
     name = "weights"
     # Off unless configured: the digest costs each rank a pass over its weights.
@@ -36,7 +60,18 @@ class WeightsCheck(Check):
     cause = Cause.WEIGHTS
     help = "replicas start from the same weights (verify_values=True on every rank)"
     refusal = "weights differ"
+    head = WEIGHT_HEADS["values"]
+    advice = WEIGHT_ADVICE["values"]
     needs_clean = True
+
+    def heading(self, cohort: CohortState, decision: Decision) -> str:
+        return (
+            f"all {cohort.world_size} ranks joined with matching models, but "
+            + WEIGHT_HEADS[decision.weights or "values"]
+        )
+
+    def what_to_do(self, decision: Decision) -> str:
+        return WEIGHT_ADVICE[decision.weights or "values"]
 
     def run(self, ctx: Context, level: Level) -> Result:
         cohort = ctx.cohort
