@@ -68,22 +68,8 @@ class Observer:
         m.cohorts_waiting.dec()
         m.ranks_waiting.dec(len(cohort.state.members))
         if self.history is not None:
-            self.history.record(
-                VerdictRow(
-                    cohort_id=verdict.cohort_id,
-                    job_id=verdict.job_id,
-                    round=verdict.round,
-                    outcome=outcome,
-                    cause=cause,
-                    reason=verdict.reason,
-                    report=verdict.report,
-                    world_size=verdict.world_size,
-                    decided_at=verdict.decided_at,
-                    members={m.rank: m.incarnation for m in cohort.state.members.values()},
-                    verdict=verdict,
-                ),
-                written,
-            )
+            members = {m.rank: m.incarnation for m in cohort.state.members.values()}
+            self.history.record(VerdictRow.of(verdict, members), written)
 
     def rpc_error(self, method: str, code: str) -> None:
         self.metrics.rpc_errors.labels(method, code).inc()

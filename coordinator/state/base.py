@@ -110,6 +110,23 @@ class VerdictRow:
     members: dict[int, str]
     verdict: Verdict | None = None  # written; listings leave it out
 
+    @classmethod
+    def of(cls, verdict: Verdict, members: dict[int, str]) -> VerdictRow:
+        """The row recorded for `verdict`; `members`: rank -> incarnation, for replay."""
+        return cls(
+            cohort_id=verdict.cohort_id,
+            job_id=verdict.job_id,
+            round=verdict.round,
+            outcome=verdict.outcome.value,
+            cause=verdict.cause.value if verdict.cause else "none",
+            reason=verdict.reason,
+            report=verdict.report,
+            world_size=verdict.world_size,
+            decided_at=verdict.decided_at,
+            members=members,
+            verdict=verdict,
+        )
+
 
 class CohortStore(abc.ABC):
     """Live cohorts: joins, departures, uploads and decisions, one round at a time per job."""
