@@ -19,6 +19,7 @@ from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
 from coordinator.codec.wire import STATE_NAMES
 from coordinator.contract.addr import DEFAULT_ADDR
+from coordinator.contract.errors import CoordinatorError
 from coordinator.edge.replies import record_to_pb
 
 
@@ -226,9 +227,10 @@ def _print_report(
 
 
 def _from_file(path: str, job: str, round_: int) -> pb.VerdictRecord | None:
-    from coordinator.state.history import History
+    """Raises OSError or CoordinatorError (UNAVAILABLE) when the file cannot be read."""
+    from coordinator.state.backends import open_verdicts
 
-    history = History(path, readonly=True)
+    history = open_verdicts(path, readonly=True)
     try:
         row = history.get(job, round_)
     finally:
@@ -237,11 +239,9 @@ def _from_file(path: str, job: str, round_: int) -> pb.VerdictRecord | None:
 
 
 def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int:
-    import sqlite3
-
     try:
         record = _from_file(path, args.job, args.round)
-    except sqlite3.Error as exc:
+    except (OSError, CoordinatorError) as exc:
         print(f"cohortgate: cannot read the history file {path}: {exc}", file=sys.stderr)
         return 1
     if record is None:
@@ -256,7 +256,6 @@ def _explain_from_files(
 ) -> pb.VerdictRecord | int:
     """No coordinator answers (or it does not hold the job): the history files on this
     machine, the shared one and the one `cohortgate run` kept for this job."""
-    import sqlite3
     from pathlib import Path
 
     from coordinator.edge.config import DEFAULT_HISTORY, run_history
@@ -270,7 +269,7 @@ def _explain_from_files(
             print(f"cohortgate: no coordinator answers at {addr}; reading {path}", file=sys.stderr)
         try:
             found = _from_file(str(path), args.job, args.round)
-        except sqlite3.Error:  # a file that cannot be read: try the next one
+        except (OSError, CoordinatorError):  # a file that cannot be read: try the next one
             continue
         if found is not None:
             return found

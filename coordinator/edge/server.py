@@ -25,7 +25,7 @@ from coordinator.edge.ports import BindError, bind, check_free
 from coordinator.edge.servicer import CohortServicer, StatusServicer
 from coordinator.service.core import Coordinator
 from coordinator.service.observers import Observer
-from coordinator.state.history import History
+from coordinator.state.backends import open_verdicts
 
 log = structlog.get_logger("cohortgate")
 
@@ -92,7 +92,9 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     limits = config.limits
     if coordinator is None:
         path = config.history_path
-        history = History(path, config.history_retention_days) if path else None
+        history = (
+            open_verdicts(path, retention_days=config.history_retention_days) if path else None
+        )
         coordinator = Coordinator(
             config.formation,
             progress_interval_s=config.progress_interval,

@@ -32,8 +32,8 @@ from coordinator.service.status import CohortSummary, summarize
 from coordinator.service.uploads import Uploads
 from coordinator.service.watchers import WatchHub
 from coordinator.state.asks import UploadRef
+from coordinator.state.backends import open_cohorts
 from coordinator.state.base import CohortStore, JoinIntent, LiveCohort
-from coordinator.state.memory import MemoryStore
 
 # Listings of up to this many cohorts are exact; larger ones may be 0.25 s stale.
 LISTING_EXACT_UP_TO = 64
@@ -58,9 +58,7 @@ class Coordinator:
         self.observer = observer or Observer()
         self.limits = limits or Limits()
         history = self.observer.history
-        self.store = store or MemoryStore(
-            clock, history.last_round if history is not None else lambda _: 0, self.limits
-        )
+        self.store = store or open_cohorts(clock, history, self.limits)
         self.clock = clock
         self.book = Book(clock)
         self.calls = Calls()
