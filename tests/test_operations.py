@@ -13,7 +13,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -494,3 +494,31 @@ def test_agents_retry_against_a_restarted_coordinator(tmp_path: Path) -> None:
             verdicts = [first.result(timeout=30), second.result(timeout=30)]
     assert all(v.outcome == pb.Verdict.OUTCOME_FORMED for v in verdicts)
     assert verdicts[0].cohort_id == verdicts[1].cohort_id
+
+
+def test_a_waiting_cohorts_status_says_when_its_decision_can_next_change() -> None:
+    """The decision's recheck time: the join deadline while ranks are missing, the upload
+    timeout once every rank is in and the manifests that explain a mismatch are awaited."""
+    coord = InProcessCoordinator(join_deadline=60.0, manifest_timeout=5.0)
+    try:
+        with grpc.insecure_channel(coord.addr) as channel:
+            stub = pb_grpc.CohortServiceStub(channel)
+
+            def waiting() -> dict[str, Any]:
+                status = json.loads(http_get(coord.metrics_url + "/status.json"))
+                (cohort,) = [c for c in status["waiting"] if c["job_id"] == "recheck"]
+                return cast(dict[str, Any], cohort)
+
+            first = stub.Join(join_request("recheck", 0, 2, manifest_of(4)), timeout=30)
+            assert next(first).WhichOneof("event") == "manifest_request"  # ignored
+            one = waiting()
+            assert 55 < one["recheck_in_s"] <= 60 and 55 < one["deadline_in_s"] <= 60
+            second = stub.Join(join_request("recheck", 1, 2, manifest_of(8)), timeout=30)
+            assert next(second).WhichOneof("event") == "manifest_request"  # ignored too
+            both = waiting()
+            assert both["joined"] == 2 and 0 < both["recheck_in_s"] <= 5, both
+            assert both["deadline_in_s"] > 50, "the join deadline no longer applies"
+            first.cancel()
+            second.cancel()
+    finally:
+        coord.stop()
