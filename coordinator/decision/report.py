@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from coordinator.contract.diff import ManifestDiff, diff
 from coordinator.decision.checks import CHECKS
-from coordinator.decision.checks.base import Words
+from coordinator.decision.checks.base import Refused, Words
 from coordinator.decision.checks.gates import GATES
 from coordinator.decision.cohort import CohortState
 from coordinator.decision.formation import FormationOptions, decide
@@ -55,14 +55,14 @@ def build_verdict(
         rank0 = cohort.members.get(0)
         return replace(base, init_method=rank0.init_method if rank0 else "")
     words = WORDS[decision.check]
-    diffs = _diffs(cohort, decision)
+    refused = Refused(cohort, decision, _diffs(cohort, decision), deadline_s)
     return replace(
         base,
-        diffs=diffs,
+        diffs=refused.diffs,
         missing_ranks=decision.missing_ranks,
         present_ranks=decision.present_ranks,
-        headline=words.headline(cohort, decision),
-        report=words.report(cohort, decision, diffs, deadline_s),
+        headline=words.headline(refused),
+        report=words.report(refused),
     )
 
 

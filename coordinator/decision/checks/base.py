@@ -50,6 +50,17 @@ class Result:
         return self.refuse or any(f.level is Level.STRICT for f in self.findings)
 
 
+@dataclass(frozen=True)
+class Refused:
+    """What a refusal's words are made from: the cohort as decided, the decision, the diffs
+    of each class that differs, and the join deadline in seconds."""
+
+    cohort: CohortState
+    decision: Decision
+    diffs: dict[DiffKey, ManifestDiff | None] = field(default_factory=dict)
+    deadline_s: float = 0.0
+
+
 class Words:
     """What a refusal says, owned by what refused (a check, or one of formation's own gates):
     its one-line headline and its report. `report.py` assembles a verdict from these and
@@ -58,17 +69,11 @@ class Words:
     name: ClassVar[str]
     cause: ClassVar[Cause]
 
-    def headline(self, cohort: CohortState, decision: Decision) -> str:
+    def headline(self, r: Refused) -> str:
         """The refusal in one line, culprit ranks first."""
         raise NotImplementedError
 
-    def report(
-        self,
-        cohort: CohortState,
-        decision: Decision,
-        diffs: dict[DiffKey, ManifestDiff | None],
-        deadline_s: float,
-    ) -> str:
+    def report(self, r: Refused) -> str:
         """The full refusal report every rank prints."""
         raise NotImplementedError
 
@@ -99,14 +104,14 @@ class Check(Words):
         return f"[{len(ctx.cohort.members)}/{n} ranks joined; {self.refusal}: {names}]"
 
     # -- its words ---------------------------------------------------------------------
-    def heading(self, cohort: CohortState, decision: Decision) -> str:
-        return f"all {cohort.world_size} ranks joined, but {self.head}."
+    def heading(self, r: Refused) -> str:
+        return f"all {r.cohort.world_size} ranks joined, but {self.head}."
 
-    def what_to_do(self, decision: Decision) -> str:
+    def what_to_do(self, r: Refused) -> str:
         return self.advice
 
-    def headline(self, cohort: CohortState, decision: Decision) -> str:
-        return culprits_headline(decision) or self.strict_headline(decision)
+    def headline(self, r: Refused) -> str:
+        return culprits_headline(r.decision) or self.strict_headline(r.decision)
 
     def strict_headline(self, decision: Decision) -> str:
         """A refusal by findings: the first strict one, in words."""
@@ -117,18 +122,12 @@ class Check(Words):
         ranks = f"ranks {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
         return f"{f.check}: {ranks}{f.text}"
 
-    def report(
-        self,
-        cohort: CohortState,
-        decision: Decision,
-        diffs: dict[DiffKey, ManifestDiff | None],
-        deadline_s: float,
-    ) -> str:
-        lines = [refused(cohort, self.heading(cohort, decision))]
-        for f in sorted(decision.findings, key=lambda f: f.level is not Level.STRICT):
+    def report(self, r: Refused) -> str:
+        lines = [refused(r.cohort, self.heading(r))]
+        for f in sorted(r.decision.findings, key=lambda f: f.level is not Level.STRICT):
             lines.append(f"{f.level} {f.check}: {f.text}")
-        lines += class_lines(decision.classes, diffs)
-        lines.append("What to do: " + self.what_to_do(decision))
+        lines += class_lines(r.decision.classes, r.diffs)
+        lines.append("What to do: " + self.what_to_do(r))
         return "\n".join(lines)
 
 

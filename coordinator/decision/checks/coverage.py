@@ -10,24 +10,18 @@ import numpy as np
 from coordinator.contract.layout import Layout
 from coordinator.contract.ranges import by_value
 from coordinator.decision import coverage
-from coordinator.decision.checks.base import Check, Context, Result
-from coordinator.decision.checks.layout import layered_reason
+from coordinator.decision.checks.base import Context, Result
+from coordinator.decision.checks.layout import LayeredCheck
 from coordinator.decision.pieces import CohortPieces, Rows
-from coordinator.decision.verdict import Cause, Finding, Level
-from coordinator.decision.words import MODEL_ADVICE
+from coordinator.decision.verdict import Finding, Level
 
 # Tensors that fail, examined one by one to name their problems; past this, counted.
 DETAILED = 64
 
 
-class CoverageCheck(Check):
+class CoverageCheck(LayeredCheck):
     name = "coverage"
-    default = Level.STRICT
-    cause = Cause.LAYOUT
     help = "the shards of each replica tile every tensor, once"
-    refusal = "layered identity"
-    head = "their layered identities disagree"
-    advice = MODEL_ADVICE
 
     def run(self, ctx: Context, level: Level) -> Result:
         layouts = ctx.layouts
@@ -158,6 +152,3 @@ class CoverageCheck(Check):
                 tensor, shape, rows.rank, rows.offsets, rows.lengths
             )
         ]
-
-    def reason(self, ctx: Context, strict: list[Finding]) -> str:
-        return layered_reason(ctx, strict)

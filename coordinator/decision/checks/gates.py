@@ -5,10 +5,8 @@ words, as a check does."""
 from __future__ import annotations
 
 from coordinator.contract import ranges
-from coordinator.contract.diff import ManifestDiff
-from coordinator.decision.checks.base import Words
-from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Cause, Decision, DiffKey
+from coordinator.decision.checks.base import Refused, Words
+from coordinator.decision.verdict import Cause
 from coordinator.decision.words import hosts, plural, refused
 
 
@@ -16,23 +14,19 @@ class LaunchGate(Words):
     name = "launch"
     cause = Cause.LAUNCH
 
-    def headline(self, cohort: CohortState, decision: Decision) -> str:
+    def headline(self, r: Refused) -> str:
         parts = [
             f"launch {g.launch} (ranks {ranges.compress_capped(g.ranks)} on {hosts(g.hosts)})"
-            for g in decision.launches
+            for g in r.decision.launches
         ]
-        return f"ranks of {len(parts)} launches share job id '{cohort.job_id}': " + ", ".join(parts)
+        return f"ranks of {len(parts)} launches share job id '{r.cohort.job_id}': " + ", ".join(
+            parts
+        )
 
-    def report(
-        self,
-        cohort: CohortState,
-        decision: Decision,
-        diffs: dict[DiffKey, ManifestDiff | None],
-        deadline_s: float,
-    ) -> str:
-        groups = decision.launches
+    def report(self, r: Refused) -> str:
+        groups = r.decision.launches
         head = f"ranks of {len(groups)} different launches joined under this one job id."
-        lines = [refused(cohort, head)]
+        lines = [refused(r.cohort, head)]
         for g in groups:
             lines.append(
                 f"launch {g.launch}: {plural(len(g.ranks), 'rank')} "
@@ -40,7 +34,7 @@ class LaunchGate(Words):
             )
         lines.append(
             "What to do: two launches (torchrun store endpoints) share the job id "
-            f"'{cohort.job_id}'. Give each launch its own --rdzv-id (or COHORTGATE_JOB), or "
+            f"'{r.cohort.job_id}'. Give each launch its own --rdzv-id (or COHORTGATE_JOB), or "
             "stop the stale one, then relaunch."
         )
         return "\n".join(lines)
@@ -50,26 +44,20 @@ class DeadlineGate(Words):
     name = "deadline"
     cause = Cause.DEADLINE
 
-    def headline(self, cohort: CohortState, decision: Decision) -> str:
+    def headline(self, r: Refused) -> str:
         return (
-            f"ranks {ranges.compress_capped(decision.missing_ranks)} never joined (join "
-            f"deadline passed with {len(decision.present_ranks)}/{cohort.world_size} ranks)"
+            f"ranks {ranges.compress_capped(r.decision.missing_ranks)} never joined (join "
+            f"deadline passed with {len(r.decision.present_ranks)}/{r.cohort.world_size} ranks)"
         )
 
-    def report(
-        self,
-        cohort: CohortState,
-        decision: Decision,
-        diffs: dict[DiffKey, ManifestDiff | None],
-        deadline_s: float,
-    ) -> str:
-        present, missing = decision.present_ranks, decision.missing_ranks
-        held = tuple(sorted({m.host for m in cohort.members.values()}))
+    def report(self, r: Refused) -> str:
+        present, missing = r.decision.present_ranks, r.decision.missing_ranks
+        held = tuple(sorted({m.host for m in r.cohort.members.values()}))
         lines = [
             refused(
-                cohort,
-                f"the join deadline ({deadline_s:g}s from the first join) passed with "
-                f"{len(present)}/{cohort.world_size} ranks joined.",
+                r.cohort,
+                f"the join deadline ({r.deadline_s:g}s from the first join) passed with "
+                f"{len(present)}/{r.cohort.world_size} ranks joined.",
             ),
             f"missing ranks: {ranges.compress(missing)}",
             f"present ranks: {ranges.compress(present) or 'none'}"
@@ -84,21 +72,15 @@ class UploadsGate(Words):
     name = "uploads"
     cause = Cause.MANIFEST_INVALID
 
-    def headline(self, cohort: CohortState, decision: Decision) -> str:
-        return next(iter(cohort.invalid_uploads.values()), "an upload was invalid")
+    def headline(self, r: Refused) -> str:
+        return next(iter(r.cohort.invalid_uploads.values()), "an upload was invalid")
 
-    def report(
-        self,
-        cohort: CohortState,
-        decision: Decision,
-        diffs: dict[DiffKey, ManifestDiff | None],
-        deadline_s: float,
-    ) -> str:
-        reasons = "\n".join(f"  {why}" for why in cohort.invalid_uploads.values())
-        kinds = sorted({kind.value for kind, _ in cohort.invalid_uploads})
+    def report(self, r: Refused) -> str:
+        reasons = "\n".join(f"  {why}" for why in r.cohort.invalid_uploads.values())
+        kinds = sorted({kind.value for kind, _ in r.cohort.invalid_uploads})
         return (
             refused(
-                cohort,
+                r.cohort,
                 f"a rank's uploaded {' and '.join(kinds)} did not match what it joined with.",
             )
             + f"\n{reasons}\n"

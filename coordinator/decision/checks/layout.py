@@ -36,14 +36,23 @@ _FIELDS: dict[str, Callable[[Layout], str]] = {
 }
 
 
-class LayoutCheck(Check):
-    name = "layout"
+class LayeredCheck(Check):
+    """A check of the layered identity (placement, shard coverage): one cause, one set of
+    words, one reason naming every layered check that refused."""
+
     default = Level.STRICT
     cause = Cause.LAYOUT
-    help = "every rank declares the same mesh and holds its position exactly once"
     refusal = "layered identity"
     head = "their layered identities disagree"
     advice = MODEL_ADVICE
+
+    def reason(self, ctx: Context, strict: list[Finding]) -> str:
+        return layered_reason(ctx, strict)
+
+
+class LayoutCheck(LayeredCheck):
+    name = "layout"
+    help = "every rank declares the same mesh and holds its position exactly once"
 
     def run(self, ctx: Context, level: Level) -> Result:
         layouts, members = ctx.layouts, ctx.cohort.members
@@ -117,6 +126,3 @@ class LayoutCheck(Check):
                     )
                 )
         return out
-
-    def reason(self, ctx: Context, strict: list[Finding]) -> str:
-        return layered_reason(ctx, strict)

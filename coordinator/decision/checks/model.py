@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from coordinator.contract.layout import Layout
-from coordinator.decision.checks.base import Check, Context, Result, disagreement
+from coordinator.decision.checks.base import Check, Context, Refused, Result, disagreement
 from coordinator.decision.checks.layout import layered_reason
 from coordinator.decision.classes import replica_classes, signature_classes
-from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Cause, Decision, Finding, Level
+from coordinator.decision.verdict import Cause, Finding, Level
 from coordinator.decision.words import MODEL_ADVICE
 
 # Global fingerprint fields of a layout that name the model itself.
@@ -34,12 +33,12 @@ class ModelCheck(Check):
     head = "their layered identities disagree"  # under a layout; see heading
     advice = MODEL_ADVICE
 
-    def heading(self, cohort: CohortState, decision: Decision) -> str:
-        classes = decision.classes
+    def heading(self, r: Refused) -> str:
+        classes = r.decision.classes
         if classes and not any(c.group for c in classes):
-            n = cohort.world_size
+            n = r.cohort.world_size
             return f"all {n} ranks joined, but with {len(classes)} different model signatures."
-        return super().heading(cohort, decision)
+        return super().heading(r)
 
     def run(self, ctx: Context, level: Level) -> Result:
         if ctx.layouts:

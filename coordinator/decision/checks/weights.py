@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from coordinator.contract import ranges
 from coordinator.contract.digests import differing
-from coordinator.decision.checks.base import Check, Context, Result
+from coordinator.decision.checks.base import Check, Context, Refused, Result
 from coordinator.decision.classes import weight_classes
 from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Cause, Decision, Finding, Level
+from coordinator.decision.verdict import Cause, Finding, Level
 
 NAMES_SHOWN = 10
 # A weights refusal's kind -> the words its reason uses
@@ -64,14 +64,14 @@ class WeightsCheck(Check):
     advice = WEIGHT_ADVICE["values"]
     needs_clean = True
 
-    def heading(self, cohort: CohortState, decision: Decision) -> str:
+    def heading(self, r: Refused) -> str:
         return (
-            f"all {cohort.world_size} ranks joined with matching models, but "
-            + WEIGHT_HEADS[decision.weights or "values"]
+            f"all {r.cohort.world_size} ranks joined with matching models, but "
+            + WEIGHT_HEADS[r.decision.weights or "values"]
         )
 
-    def what_to_do(self, decision: Decision) -> str:
-        return WEIGHT_ADVICE[decision.weights or "values"]
+    def what_to_do(self, r: Refused) -> str:
+        return WEIGHT_ADVICE[r.decision.weights or "values"]
 
     def run(self, ctx: Context, level: Level) -> Result:
         cohort = ctx.cohort
