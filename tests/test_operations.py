@@ -429,13 +429,17 @@ def test_status_and_watch_cli(coord: InProcessCoordinator) -> None:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        time.sleep(1.0)
+        # The watcher's first line, before the cohort completes (however long the CLI
+        # takes to start on a busy machine).
+        assert watcher.stdout is not None
+        first = watcher.stdout.readline()
         finish_cohort(coord, "cli-job", [2], 3)
-        out_text, _ = watcher.communicate(timeout=30)
+        rest, _ = watcher.communicate(timeout=30)
     finally:
         pool.shutdown(wait=True)
+    out_text = first + rest
     assert watcher.returncode == 0, out_text
-    assert "2/3 waiting, waiting for ranks 2" in out_text
+    assert "2/3 waiting, waiting for ranks 2" in first, out_text
     assert "verdict: formed [3/3 ranks joined, 1 signature]" in out_text
 
 

@@ -66,50 +66,44 @@ def _settings(command: str, model: type[Settings], args: argparse.Namespace) -> 
     return None
 
 
-def cmd_relay(args: argparse.Namespace) -> int:
+def _serving(command: str, model: type[Settings], args: argparse.Namespace) -> int:
+    """Read the command's settings, then serve until a signal: 0; 2 for bad settings (or
+    a bad tokens file, read once before anything listens); 1 when a port cannot be had."""
     from coordinator.cli import logs
+
+    config = _settings(command, model, args)
+    if config is None:
+        return 2
+    logs.configure(config.log_format, config.log_level)
+    try:
+        asyncio.run(_serve(config))
+    except ValueError as exc:
+        print(f"cohortgate {command}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"cohortgate {command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(config: ServeConfig | RelayConfig) -> None:
+    if isinstance(config, ServeConfig):
+        from coordinator.edge import server
+
+        await server.serve(config)
+        return
     from coordinator.edge.relay_server import serve_relay
 
-    config = _settings("relay", RelayConfig, args)
-    if config is None:
-        return 2
-    logs.configure(config.log_format, config.log_level)
-    try:
-        asyncio.run(
-            serve_relay(
-                config.upstream,
-                config.listen,
-                window_s=config.window,
-                local_ranks=config.local_ranks,
-                max_message_bytes=config.max_message_bytes,
-                rank_grace_s=config.rank_grace,
-                tls=config.tls,
-                port_file=str(config.port_file) if config.port_file else None,
-            )
-        )
-    except OSError as exc:
-        print(f"cohortgate relay: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.cli import logs
-    from coordinator.edge import server
-
-    config = _settings("serve", ServeConfig, args)
-    if config is None:
-        return 2
-    logs.configure(config.log_format, config.log_level)
-    try:
-        asyncio.run(server.serve(config))
-    except ValueError as exc:  # the tokens file, read once, before anything listens
-        print(f"cohortgate serve: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"cohortgate serve: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    await serve_relay(
+        config.upstream,
+        config.listen,
+        window_s=config.window,
+        local_ranks=config.local_ranks,
+        max_message_bytes=config.max_message_bytes,
+        rank_grace_s=config.rank_grace,
+        tls=config.tls,
+        port_file=str(config.port_file) if config.port_file else None,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,9 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(argv[1:])
         args = build_parser().parse_args(argv)
         if args.command == "serve":
-            return cmd_serve(args)
+            return _serving("serve", ServeConfig, args)
         if args.command == "relay":
-            return cmd_relay(args)
+            return _serving("relay", RelayConfig, args)
         return int(args.func(args))
     except SettingError as exc:  # a COHORTGATE_* variable a client reads (token, TLS files)
         print(f"cohortgate {argv[0] if argv else ''}: {exc}", file=sys.stderr)

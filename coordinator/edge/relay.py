@@ -153,6 +153,16 @@ async def _forward(method: Any, request: Any, context: grpc.aio.ServicerContext)
         raise AssertionError("unreachable") from exc
 
 
+def _forwarding(method: str) -> Any:
+    """A servicer method that forwards its call upstream on `self.raw[method]`."""
+
+    async def forward(self: Relay, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await _forward(self.raw[method], request, context)
+
+    forward.__name__ = method
+    return forward
+
+
 class Relay(pb_grpc.CohortServiceServicer):
     """Batches joins per (job, world size, round, token) until the node's `local_ranks` have
     joined (counting those already sent upstream, so a late or restarted rank goes at once),
@@ -248,37 +258,12 @@ class Relay(pb_grpc.CohortServiceServicer):
                 for rank_id, rank in mine.items():
                     self._left(group, rank_id, rank)
 
-    async def UploadManifest(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
-        self, data: bytes, context: grpc.aio.ServicerContext
-    ) -> pb.UploadManifestResponse:
-        response: pb.UploadManifestResponse = await _forward(
-            self.raw["UploadManifest"], data, context
-        )
-        return response
-
-    async def UploadDigests(  # type: ignore[override]  # raw bytes: see RAW_REQUESTS
-        self, data: bytes, context: grpc.aio.ServicerContext
-    ) -> pb.UploadDigestsResponse:
-        response: pb.UploadDigestsResponse = await _forward(
-            self.raw["UploadDigests"], data, context
-        )
-        return response
-
-    async def UploadManifestChunks(  # type: ignore[override]  # raw bytes: see RAW_CHUNKS
-        self, chunks: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> pb.UploadManifestResponse:
-        response: pb.UploadManifestResponse = await _forward(
-            self.raw["UploadManifestChunks"], chunks, context
-        )
-        return response
-
-    async def UploadDigestsChunks(  # type: ignore[override]  # raw bytes: see RAW_CHUNKS
-        self, chunks: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> pb.UploadDigestsResponse:
-        response: pb.UploadDigestsResponse = await _forward(
-            self.raw["UploadDigestsChunks"], chunks, context
-        )
-        return response
+    # Uploads pass through as they came (raw bytes, or a stream of raw chunks: see
+    # RAW_REQUESTS, RAW_CHUNKS) with the rank's token; the answer or error comes back.
+    UploadManifest = _forwarding("UploadManifest")
+    UploadDigests = _forwarding("UploadDigests")
+    UploadManifestChunks = _forwarding("UploadManifestChunks")
+    UploadDigestsChunks = _forwarding("UploadDigestsChunks")
 
     async def JoinGroup(
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext

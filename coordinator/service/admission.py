@@ -126,12 +126,7 @@ class Admission:
                     self.observer.joined(result.opened)
                 held.append((ref, member))
                 log.debug(
-                    "rank joined",
-                    job=cohort.job_id,
-                    round=cohort.round,
-                    rank=member.rank,
-                    host=member.host,
-                    signature=member.signature.hex()[:12],
+                    "rank joined", **_where(cohort, member), signature=member.signature.hex()[:12]
                 )
         except BaseException:
             if cohort is not None:
@@ -243,14 +238,7 @@ class Admission:
         successors = self.store.leave(cohort, member)
         self.observer.departed()
         self._changed(cohort)
-        log.info(
-            "rank left before the verdict",
-            job=cohort.job_id,
-            round=cohort.round,
-            rank=member.rank,
-            host=member.host,
-            incarnation=member.incarnation,
-        )
+        log.info("rank left before the verdict", **_where(cohort, member))
         for successor in successors:
             self.calls.poke(cohort, successor)
         if self.store.abandon(cohort):
@@ -288,6 +276,17 @@ class Admission:
         event = Progress(cohort.job_id, cohort.round, joined, n, missing, message, deadline_in)
         tracked.progress = (now, state.version, event)
         return event
+
+
+def _where(cohort: LiveCohort, member: Member) -> dict[str, object]:
+    """A member's log context."""
+    return {
+        "job": cohort.job_id,
+        "round": cohort.round,
+        "rank": member.rank,
+        "host": member.host,
+        "incarnation": member.incarnation,
+    }
 
 
 def _new_asks(cohort: LiveCohort, held: Held, told: set[tuple[UploadKind, int]]) -> list[UploadAsk]:

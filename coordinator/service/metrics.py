@@ -8,103 +8,88 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
+PREFIX = "cohortgate_"
+
+
 class Metrics:
     """Every collector the coordinator exports, on a registry of its own."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.joins = Counter(
-            "cohortgate_joins_total",
-            "Joins accepted (a rank entering a waiting cohort).",
-            registry=r,
+        count, gauge, seconds = self._counter, self._gauge, self._latency
+        self.joins = count("joins_total", "Joins accepted (a rank entering a waiting cohort).")
+        self.verdicts = count(
+            "verdicts_total", "Verdicts by outcome and cause.", "outcome", "cause"
         )
-        self.verdicts = Counter(
-            "cohortgate_verdicts_total",
-            "Verdicts by outcome and cause.",
-            ["outcome", "cause"],
-            registry=r,
-        )
-        self.formation_from_first_join = Histogram(
-            "cohortgate_formation_from_first_join_seconds",
+        self.formation_from_first_join = seconds(
+            "formation_from_first_join_seconds",
             "Seconds from a cohort's first join to its verdict.",
-            ["outcome"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.formation_from_last_join = Histogram(
-            "cohortgate_formation_from_last_join_seconds",
+        self.formation_from_last_join = seconds(
+            "formation_from_last_join_seconds",
             "Seconds from a cohort's last join to its verdict (the gate's own cost).",
-            ["outcome"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.cohorts_waiting = Gauge(
-            "cohortgate_cohorts_waiting", "Cohorts waiting for ranks or manifests.", registry=r
+        self.cohorts_waiting = gauge("cohorts_waiting", "Cohorts waiting for ranks or manifests.")
+        self.ranks_waiting = gauge(
+            "ranks_waiting", "Ranks holding a join open, waiting for a verdict."
         )
-        self.ranks_waiting = Gauge(
-            "cohortgate_ranks_waiting",
-            "Ranks holding a join open, waiting for a verdict.",
-            registry=r,
-        )
-        self.oldest_waiting = Gauge(
-            "cohortgate_oldest_waiting_cohort_age_seconds",
+        self.oldest_waiting = gauge(
+            "oldest_waiting_cohort_age_seconds",
             "Age of the oldest waiting cohort (0 when none waits).",
-            registry=r,
         )
-        self.manifest_uploads = Counter(
-            "cohortgate_manifest_uploads_total",
-            "Manifest uploads by result.",
-            ["result"],
-            registry=r,
+        self.manifest_uploads = count(
+            "manifest_uploads_total", "Manifest uploads by result.", "result"
         )
-        self.manifest_bytes = Counter(
-            "cohortgate_manifest_upload_bytes_total", "Bytes of manifests uploaded.", registry=r
-        )
-        self.rpc_errors = Counter(
-            "cohortgate_rpc_errors_total",
+        self.manifest_bytes = count("manifest_upload_bytes_total", "Bytes of manifests uploaded.")
+        self.rpc_errors = count(
+            "rpc_errors_total",
             "RPCs ended with an error, by method and status code.",
-            ["method", "code"],
-            registry=r,
+            "method",
+            "code",
         )
-        self.findings = Counter(
-            "cohortgate_check_findings_total",
+        self.findings = count(
+            "check_findings_total",
             "Differences found by the layered checks, by check and policy level.",
-            ["check", "level"],
-            registry=r,
+            "check",
+            "level",
         )
-        self.departures = Counter(
-            "cohortgate_rank_departures_total",
-            "Ranks whose join dropped before the verdict.",
-            registry=r,
+        self.departures = count(
+            "rank_departures_total", "Ranks whose join dropped before the verdict."
         )
-        self.abandoned = Counter(
-            "cohortgate_cohorts_abandoned_total",
+        self.abandoned = count(
+            "cohorts_abandoned_total",
             "Waiting cohorts whose every rank left before a verdict (never a refusal).",
-            registry=r,
         )
-
-        self.offloaded = Counter(
-            "cohortgate_decisions_offloaded_total",
-            "Decisions made in a worker thread (large layouts or diffs), off the event loop.",
-            registry=r,
+        self.offloaded = count(
+            "decisions_offloaded_total",
+            "Decisions made in a worker process (large layouts or diffs), off the event loop.",
         )
-        self.history_errors = Counter(
-            "cohortgate_history_errors_total",
+        self.history_errors = count(
+            "history_errors_total",
             "Verdict history operations that failed (locked, full or unreadable file), by "
             "operation; verdicts are still sent to every rank.",
-            ["operation"],
-            registry=r,
+            "operation",
         )
-        self.history_spooled = Gauge(
-            "cohortgate_history_spooled_verdicts",
+        self.history_spooled = gauge(
+            "history_spooled_verdicts",
             "Verdicts decided but not yet written to the history file.",
-            registry=r,
         )
-        self.history_degraded = Gauge(
-            "cohortgate_history_degraded",
+        self.history_degraded = gauge(
+            "history_degraded",
             "1 while the history file refuses writes (the coordinator keeps serving).",
-            registry=r,
+        )
+
+    # Every name is prefixed cohortgate_; a counter's name ends in _total (the client
+    # library's exposition adds it back).
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, registry=self.registry)
+
+    def _latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(
+            PREFIX + name, doc, ["outcome"], buckets=_LATENCY_BUCKETS, registry=self.registry
         )
 
     def names(self) -> set[str]:
