@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -31,7 +30,7 @@ from coordinator.api.v1 import cohort_pb2 as pb  # noqa: E402
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc  # noqa: E402
 from coordinator.cli.spawn import spawn  # noqa: E402
 from coordinator.codec import wire  # noqa: E402
-from tests.helpers import join_request, manifest_of, run_cohort  # noqa: E402
+from tests.helpers import join_request, manifest_of, run_cohort, save_figures  # noqa: E402
 
 UPLOAD = "/cohortgate.v1.CohortService/UploadManifest"
 CHUNKS = "/cohortgate.v1.CohortService/UploadManifestChunks"
@@ -241,14 +240,12 @@ def main() -> int:
             f"ms ({h['samples']}); 2-rank cohort p50 {f['p50']:.0f} ms max {f['max']:.0f} ms "
             f"({f['samples']})"
         )
-    print(
+    said = (
         f"{row['hostile_uploads_sent']} non-member {args.entries}-entry uploads refused; the "
         f"{row['coverage_pieces']}-piece coverage job decided in {coverage_s:.1f}s "
         f"({', '.join(row['coverage_outcomes'])})"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(row, indent=1))
-    return 0
+    return save_figures(args.json, row, said)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Usage: python bench/bench_memory.py [--ranks 10] [--entries 100000] [--json PATH
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.cli.spawn import spawn
 from coordinator.contract.manifest import Entry, Kind, Manifest
-from tests.helpers import join_request, run_rank
+from tests.helpers import join_request, run_rank, save_figures
 
 
 def rss_mib(pid: int) -> float:
@@ -109,15 +108,13 @@ def main() -> int:
         "seconds_each_job": took,
         "outcomes": sorted(verdicts),
     }
-    print(
+    said = (
         f"{args.ranks} distinct {args.entries}-entry manifests ({uploads} uploads): coordinator "
         f"RSS {before:.0f} MiB before, peak {peak:.0f} MiB (+{peak - before:.0f}), "
         f"after each of {args.jobs} jobs {', '.join(f'{a:.0f}' for a in after)} MiB; "
         f"decided in {', '.join(f'{t:.1f}' for t in took)} s"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(row, indent=1))
-    return 0
+    return save_figures(args.json, row, said)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from typing import Any
 from coordinator.cli.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # tests.helpers, here and in the client processes (spawned)
 
 
 def free_port() -> int:
@@ -74,22 +74,9 @@ def manifest_for(entries: int, variant: int) -> Any:
 
 # -- cohortgate ------------------------------------------------------------------------------
 def _join_request(job: str, r: int, world: int, m: Any) -> Any:
-    from coordinator.api.v1 import cohort_pb2 as pb
-    from coordinator.codec import wire
+    from tests.helpers import join_request
 
-    return pb.JoinRequest(
-        protocol_version=wire.PROTOCOL_VERSION,
-        job_id=job,
-        rank=r,
-        world_size=world,
-        host=f"node{r // 8}",
-        pid=r,
-        incarnation=uuid.uuid4().hex,
-        signature=m.signature(),
-        manifest_entries=len(m),
-        init_method="tcp://127.0.0.1:29500" if r == 0 else "",
-        quiet=r != 0,  # as the agent does
-    )
+    return join_request(job, r, world, m, host=f"node{r // 8}", pid=r, quiet=r != 0)
 
 
 def _client_proc(

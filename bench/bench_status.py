@@ -7,7 +7,6 @@ Usage: python bench/bench_status.py [--cohorts 10] [--world 1048576] [--json PAT
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from tests.helpers import InProcessCoordinator, join_request, manifest_of
+from tests.helpers import InProcessCoordinator, join_request, manifest_of, save_figures
 
 
 def main() -> int:
@@ -64,9 +63,7 @@ def main() -> int:
         f"ListCohorts {row['list_cohorts_ms_median']:.1f} ms, /metrics "
         f"{row['metrics_ms_median']:.1f} ms (medians of {args.repeats})"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(row, indent=1))
-    return 0
+    return save_figures(args.json, row)
 
 
 if __name__ == "__main__":

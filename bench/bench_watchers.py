@@ -7,7 +7,6 @@ Usage: python bench/bench_watchers.py [--watchers 3000] [--ranks 32] [--json PAT
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from tests.helpers import InProcessCoordinator, manifest_of, run_cohort
+from tests.helpers import InProcessCoordinator, manifest_of, run_cohort, save_figures
 
 
 def formation_s(addr: str, job: str, ranks: int, repeats: int) -> float:
@@ -75,9 +74,7 @@ def main() -> int:
         f"{watched * 1000:.0f} ms with {args.watchers} idle watchers on job A "
         f"({row['ratio']:.2f}x; medians of {args.repeats})"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(row, indent=1))
-    return 0
+    return save_figures(args.json, row)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ import contextlib
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.cli.spawn import spawn
-from coordinator.codec import wire
 from coordinator.contract.manifest import Entry, Kind, Manifest
+from tests.helpers import join_async, join_request
 
 MANIFEST = Manifest.of(
     [
@@ -43,18 +43,12 @@ MANIFEST = Manifest.of(
 
 
 def request(job: str, rank: int, world: int) -> pb.JoinRequest:
-    return pb.JoinRequest(
-        protocol_version=wire.PROTOCOL_VERSION,
-        job_id=job,
-        rank=rank,
-        world_size=world,
-        local_rank=rank,
+    return join_request(
+        job,
+        rank,
+        world,
+        MANIFEST,
         host=f"{job}-host{rank // 4}",
-        pid=1000 + rank,
-        incarnation=uuid.uuid4().hex,
-        signature=MANIFEST.signature(),
-        manifest_entries=len(MANIFEST),
-        init_method="tcp://127.0.0.1:29999" if rank == 0 else "",
         quiet=rank != 0,
         launch=f"{job}-store:29500",  # as torchrun's agents send it: one per launch
     )
@@ -66,32 +60,7 @@ async def one_join(
     deadline_s: float,
     manifest: Manifest = MANIFEST,
 ) -> tuple[str, pb.Verdict | None]:
-    """Join as the agent does: upload when asked, retry ALREADY_EXISTS (a predecessor not
-    yet dropped) and UNAVAILABLE for a while. ('ok', verdict) or (error, None)."""
-    give_up = time.monotonic() + deadline_s
-    while True:
-        try:
-            call = stub.Join(req, timeout=max(give_up - time.monotonic(), 0.1))
-            async for event in call:
-                kind = event.WhichOneof("event")
-                if kind == "manifest_request":
-                    await stub.UploadManifestChunks(
-                        wire.upload_chunks(
-                            wire.manifest_answer(req, event.manifest_request.round, manifest)
-                        ),
-                        timeout=30,
-                    )
-                elif kind == "progress":
-                    req.round = event.progress.round
-                elif kind == "verdict":
-                    return "ok", event.verdict
-            return "ended without a verdict", None
-        except grpc.aio.AioRpcError as exc:
-            retry = exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE)
-            if retry and time.monotonic() < give_up - 1:
-                await asyncio.sleep(0.2)
-                continue
-            return f"{exc.code().name}: {(exc.details() or '')[:160]}", None
+    return await join_async(stub, req, deadline_s, manifest)
 
 
 async def restarted_rank(

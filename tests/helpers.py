@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +106,38 @@ def join_request(
     }
     fields.update(overrides)
     return pb.JoinRequest(**fields)
+
+
+async def join_async(
+    stub: pb_grpc.CohortServiceStub,
+    req: pb.JoinRequest,
+    deadline_s: float,
+    manifest: Manifest,
+    *,
+    retry: bool = True,
+) -> tuple[str, pb.Verdict | None]:
+    """Join on an asyncio channel as the agent does: upload when asked, follow the round,
+    and (`retry`) retry ALREADY_EXISTS (a predecessor not yet dropped) and UNAVAILABLE for
+    a while. ('ok', verdict), or (the error's code and details, None)."""
+    give_up = time.monotonic() + deadline_s
+    while True:
+        try:
+            async for event in stub.Join(req, timeout=max(give_up - time.monotonic(), 0.1)):
+                kind = event.WhichOneof("event")
+                if kind == "manifest_request":
+                    answer = wire.manifest_answer(req, event.manifest_request.round, manifest)
+                    await stub.UploadManifestChunks(wire.upload_chunks(answer), timeout=60)
+                elif kind == "progress":
+                    req.round = event.progress.round
+                elif kind == "verdict":
+                    return "ok", event.verdict
+            return "ended without a verdict", None
+        except grpc.aio.AioRpcError as exc:
+            again = exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE)
+            if retry and again and time.monotonic() < give_up - 1:
+                await asyncio.sleep(0.2)
+                continue
+            return f"{exc.code().name}: {(exc.details() or '')[:160]}", None
 
 
 def run_rank(
@@ -282,15 +316,27 @@ def launch(
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
         "cohortgate run": [sys.executable, "-m", "coordinator.cli", "run"],
     }[via]
+    return session([*command, *args], cwd=cwd, env=env)
+
+
+def session(command: Sequence[str], **popen: Any) -> subprocess.Popen[str]:
+    """`command` in its own session (end it with `kill_group`), its stdout and stderr
+    together as text on `.stdout`."""
     return subprocess.Popen(
-        [*command, *args],
+        list(command),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        cwd=cwd,
-        env=env,
+        **popen,
     )
+
+
+def program(name: str) -> str:
+    """The path of a system program the suite drives (Debian's, installed by make test)."""
+    path = shutil.which(name)
+    assert path, f"Debian's {name} is required (make system-deps installs it)"
+    return path
 
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[str]:
@@ -414,3 +460,21 @@ def decide_in(
     the result in the store (None when the store says it was settled meanwhile)."""
     decision, verdict = judge(cohort.state, now, options or FormationOptions())
     return decision if store.apply(cohort, decision, verdict, now) else None
+
+
+def save_figures(path: Path, figures: object, said: str = "") -> int:
+    """A benchmark's summary line printed (`said`), its figures written as JSON at `path`
+    (its folder made); 0, the bench's exit code."""
+    if said:
+        print(said)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+def python_c(code: str, timeout: float = 60) -> str:
+    """What `python -c code` prints, stripped, in a fresh interpreter (fails on an error)."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=timeout
+    )
+    return out.stdout.strip()

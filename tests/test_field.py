@@ -28,6 +28,7 @@ from tests.helpers import (
     kill_group,
     manifest_of,
     run_rank,
+    session,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -186,14 +187,7 @@ def _agent(addr: str, timeout_s: float, tmp: Path, rank: int = 0) -> subprocess.
         "TORCHELASTIC_ERROR_FILE": str(tmp / f"error-{rank}.json"),
         "PYTHONUNBUFFERED": "1",
     }
-    return subprocess.Popen(
-        [sys.executable, "-c", AGENT, str(timeout_s)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return session([sys.executable, "-c", AGENT, str(timeout_s)], env=env)
 
 
 @pytest.mark.slow

@@ -166,12 +166,13 @@ def test_join_group_fuzz(fuzzed: Fuzzed, members: list[pb.JoinRequest]) -> None:
     code_of(call, waits=True)
 
 
+# Who an upload claims to come from: any job, round, rank and incarnation.
+UPLOADER = {"job": ODD_TEXT, "round_": U32, "rank": U32, "incarnation": ODD_TEXT}
+
+
 @FUZZ
 @given(
-    job=ODD_TEXT,
-    round_=U32,
-    rank=U32,
-    incarnation=ODD_TEXT,
+    **UPLOADER,
     digests=st.lists(st.binary(max_size=40), max_size=20),
     chunked=st.booleans(),
 )
@@ -218,10 +219,7 @@ entries = st.builds(
 
 @FUZZ
 @given(
-    job=ODD_TEXT,
-    round_=U32,
-    rank=U32,
-    incarnation=ODD_TEXT,
+    **UPLOADER,
     signature=st.binary(max_size=40),
     fmt=st.one_of(st.just(1), U32),
     items=st.lists(entries, max_size=30),

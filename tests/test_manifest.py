@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +13,7 @@ from coordinator.contract.manifest import (
     Manifest,
     ManifestError,
 )
+from tests.helpers import python_c
 
 P, B = Kind.PARAMETER, Kind.BUFFER
 
@@ -103,11 +102,8 @@ def test_signature_is_the_same_in_another_process() -> None:
         "print(Manifest.of([Entry(Kind.PARAMETER, 'w', 'float32', (3, 2), True),"
         "Entry(Kind.BUFFER, 'rm', 'float32', (2,))]).signature_hex())"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
     here = Manifest.of([param("w"), buf("rm")]).signature_hex()
-    assert out.stdout.strip() == here
+    assert python_c(code) == here
 
 
 @pytest.mark.parametrize(
@@ -147,7 +143,4 @@ def test_coordinator_manifest_does_not_import_torch() -> None:
         "import sys, coordinator.contract.manifest, coordinator.contract.diff;"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert out.stdout.strip() == "False"
+    assert python_c(code) == "False"

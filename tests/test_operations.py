@@ -36,6 +36,7 @@ from tests.helpers import (
     kill_group,
     log_events,
     manifest_of,
+    program,
     run_cohort,
     run_rank,
     serving_pid,
@@ -153,8 +154,7 @@ def test_status_list_detail_and_watch(coord: InProcessCoordinator) -> None:
 def test_status_page_in_headless_chromium_shows_missing_ranks(
     coord: InProcessCoordinator, tmp_path: Path
 ) -> None:
-    chromium = shutil.which("chromium")
-    assert chromium, "Debian's chromium is required (make test installs it)"
+    chromium = program("chromium")
     pool = hold_partial_cohort(coord, "page-job", [0, 1, 4], 6)
     try:
         flags = [
@@ -218,8 +218,7 @@ def test_status_json_and_metrics_endpoint(coord: InProcessCoordinator) -> None:
 def test_real_prometheus_scrapes_and_answers_promql(
     coord: InProcessCoordinator, tmp_path: Path
 ) -> None:
-    prometheus = shutil.which("prometheus")
-    assert prometheus, "Debian's prometheus is required (make test installs it)"
+    prometheus = program("prometheus")
     ref, wide = manifest_of(4), manifest_of(8)
     run_cohort(coord.addr, "p-ok", {0: ref, 1: ref})
     run_cohort(coord.addr, "p-bad", {0: ref, 1: wide})
@@ -262,23 +261,19 @@ def test_real_prometheus_scrapes_and_answers_promql(
 
 
 def test_promtool_accepts_the_alert_rules_and_config() -> None:
-    promtool = shutil.which("promtool")
-    assert promtool, "Debian's prometheus package provides promtool"
-    rules = subprocess.run(
-        [promtool, "check", "rules", str(REPO / "deploy/prometheus/alerts.yml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert rules.returncode == 0, rules.stdout + rules.stderr
-    assert "SUCCESS: 5 rules found" in rules.stdout
-    config = subprocess.run(
-        [promtool, "check", "config", str(REPO / "deploy/prometheus/prometheus.yml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert config.returncode == 0, config.stdout + config.stderr
+    promtool = program("promtool")
+    for what, file, said in (
+        ("rules", "alerts.yml", "SUCCESS: 5 rules found"),
+        ("config", "prometheus.yml", "SUCCESS"),
+    ):
+        checked = subprocess.run(
+            [promtool, "check", what, str(REPO / "deploy/prometheus" / file)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert said in checked.stdout + checked.stderr, checked.stdout
 
 
 def _metric_names(text: str) -> set[str]:

@@ -28,6 +28,7 @@ from tests.helpers import (
     log_events,
     manifest_of,
     run_rank,
+    session,
 )
 from tests.netfault import FaultProxy
 
@@ -289,7 +290,7 @@ def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
         )
         kill_group(proc)
         quiet = [e for e in log_events(log) if e["level"] == "warning"]
-        proc = subprocess.Popen(
+        proc = session(
             [
                 sys.executable,
                 "-m",
@@ -303,11 +304,7 @@ def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
                 str(tmp_path / "port2"),
                 "--log-format",
                 "json",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+            ]
         )
         try:
             assert proc.stdout is not None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +23,10 @@ from tests.helpers import (
     InProcessCoordinator,
     RankResult,
     coordinator_process,
+    join_async,
     join_request,
     kill_group,
+    launch,
     log_events,
     manifest_of,
     one_cohort,
@@ -64,21 +64,12 @@ def test_a_whole_job_joining_at_once_reaches_the_coordinator(tmp_path: Path) -> 
             async def rank(r: int) -> None:
                 stub = pb_grpc.CohortServiceStub(channels[r % len(channels)])
                 req = join_request("burst", r, n, m, quiet=r != 0)
-                try:
-                    async for event in stub.Join(req, timeout=150):
-                        kind = event.WhichOneof("event")
-                        if kind == "manifest_request":
-                            await stub.UploadManifestChunks(
-                                wire.upload_chunks(
-                                    wire.manifest_answer(req, event.manifest_request.round, m)
-                                ),
-                                timeout=60,
-                            )
-                        elif kind == "verdict":
-                            name = pb.Verdict.Outcome.Name(event.verdict.outcome)
-                            outcomes[name] = outcomes.get(name, 0) + 1
-                except grpc.aio.AioRpcError as exc:
-                    errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+                said, verdict = await join_async(stub, req, 150, m, retry=False)
+                if verdict is None:
+                    errors[said] = errors.get(said, 0) + 1
+                else:
+                    name = pb.Verdict.Outcome.Name(verdict.outcome)
+                    outcomes[name] = outcomes.get(name, 0) + 1
 
             await asyncio.gather(*(rank(r) for r in range(n)))
             for c in channels:
@@ -410,12 +401,8 @@ def test_cohortgate_run_joins_through_a_relay(tmp_path: Path) -> None:
         addr,
         log,
     ):
-        proc = subprocess.Popen(
+        proc = launch(
             [
-                sys.executable,
-                "-m",
-                "coordinator.cli",
-                "run",
                 "--coordinator",
                 addr,
                 "--nproc-per-node",
@@ -426,16 +413,13 @@ def test_cohortgate_run_joins_through_a_relay(tmp_path: Path) -> None:
                 "--steps",
                 "2",
             ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            cwd=tmp_path,
-            env={
+            {
                 **os.environ,
                 "OMP_NUM_THREADS": "1",
                 "COHORTGATE_JOB": f"relayed-{uuid.uuid4().hex[:6]}",
             },
+            tmp_path,
+            via="cohortgate run",
         )
         try:
             out, _ = proc.communicate(timeout=180)

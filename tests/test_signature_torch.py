@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
 
 import agent
 from coordinator.contract.manifest import Kind, ManifestError
+from tests.helpers import python_c
 from tests.models import TinyTransformer, tiny
 
 
@@ -96,12 +94,7 @@ def test_same_model_same_signature_in_two_processes() -> None:
         "import agent; from tests.models import tiny;"
         "print(agent.manifest(tiny()).signature().hex())"
     )
-    outs = [
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-        ).stdout.strip()
-        for _ in range(2)
-    ]
+    outs = [python_c(code, timeout=120) for _ in range(2)]
     assert outs[0] == outs[1] == agent.manifest(tiny()).signature_hex()
 
 
@@ -148,10 +141,7 @@ def test_the_agent_client_loads_no_decision_state_or_service() -> None:
         " 'coordinator.edge', 'coordinator.cli', 'numpy');"
         "print(','.join(sorted(m for m in sys.modules if m.startswith(core))))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert out.stdout.strip() == ""
+    assert python_c(code) == ""
 
 
 def test_importing_agent_imports_nothing_heavy() -> None:
@@ -160,10 +150,7 @@ def test_importing_agent_imports_nothing_heavy() -> None:
         "heavy = [m for m in ('torch', 'grpc', 'google.protobuf', 'numpy') if m in sys.modules];"
         "print(','.join(heavy))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert out.stdout.strip() == ""
+    assert python_c(code) == ""
 
 
 # CUDA joins the list wherever it is present (the GPU machine); CPU and meta always run.

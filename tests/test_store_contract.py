@@ -109,6 +109,14 @@ def member(rank: int, manifest: object = M, launch: str = "node0:29500") -> Memb
     )
 
 
+def pair(store: CohortStore) -> tuple[LiveCohort, Member, Member]:
+    """Ranks 0 and 1 of a 2-rank job "j", joined: its cohort and both members."""
+    a, b = member(0), member(1)
+    cohort = store.join(JoinIntent("j", 0, a, 2)).cohort
+    store.join(JoinIntent("j", 0, b, 2))
+    return cohort, a, b
+
+
 def ref(cohort: LiveCohort, m: Member) -> UploadRef:
     return UploadRef(cohort.job_id, cohort.round, m.rank, m.incarnation)
 
@@ -241,9 +249,7 @@ def test_another_launchs_rank_is_an_intruder_not_a_member(store: CohortStore, cl
 def test_a_rank_that_leaves_frees_its_rank_and_an_empty_round_is_abandoned(
     store: CohortStore, clock: Clock
 ) -> None:
-    a, b = member(0), member(1)
-    cohort = store.join(JoinIntent("j", 0, a, 2)).cohort
-    store.join(JoinIntent("j", 0, b, 2))
+    cohort, a, b = pair(store)
     assert not store.abandon(cohort), "ranks are still there"
     store.leave(cohort, b)
     assert sorted(cohort.state.members) == [0] and store.waiting_ranks == 1
@@ -263,9 +269,7 @@ def test_a_rank_that_leaves_frees_its_rank_and_an_empty_round_is_abandoned(
 def test_a_decision_is_kept_and_replayed_to_a_rejoining_incarnation(
     store: CohortStore, clock: Clock
 ) -> None:
-    a, b = member(0), member(1)
-    cohort = store.join(JoinIntent("j", 0, a, 2)).cohort
-    store.join(JoinIntent("j", 0, b, 2))
+    cohort, a, b = pair(store)
     store.upload(ref(cohort, a), M, M.signature())
     decision = decide_in(store, cohort, clock())
     assert decision is not None and decision.outcome is Outcome.FORMED

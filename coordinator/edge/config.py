@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -177,18 +178,10 @@ class ServeConfig(BaseModel):
 
     @property
     def limits(self) -> Limits:
-        return Limits(
-            max_message_bytes=self.max_message_bytes,
-            max_upload_bytes=self.max_upload_bytes,
-            max_world_size=self.max_world_size,
-            max_manifest_entries=self.max_manifest_entries,
-            max_cohorts=self.max_cohorts,
-            max_waiting_ranks=self.max_waiting_ranks,
-            max_cohort_manifest_bytes=self.max_cohort_manifest_bytes,
-            max_manifest_bytes=self.max_manifest_bytes,
-            max_watchers=self.max_watchers,
-            max_watchers_per_token=self.max_watchers_per_token,
-        )
+        """Every limit this model sets (a field named as the Limits field); the rest keep
+        their defaults."""
+        mine = type(self).model_fields
+        return Limits(**{f.name: getattr(self, f.name) for f in fields(Limits) if f.name in mine})
 
     @property
     def tls(self) -> ServerTLS:

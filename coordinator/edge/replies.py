@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import asdict
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.codec.wire import (
@@ -223,14 +224,6 @@ def event_to_pb(event: JoinEvent) -> pb.JoinEvent | bytes:
                 signature=event.key, job_id=ref.job_id, round=ref.round, rank=ref.rank
             )
         )
-    return pb.JoinEvent(
-        progress=pb.Progress(
-            job_id=event.job_id,
-            round=event.round,
-            joined=event.joined,
-            expected=event.expected,
-            missing_ranks=event.missing_ranks,
-            message=event.message,
-            deadline_in_seconds=event.deadline_in_s,
-        )
-    )
+    said = asdict(event)  # the wire's Progress has the same fields, but one name
+    said["deadline_in_seconds"] = said.pop("deadline_in_s")
+    return pb.JoinEvent(progress=pb.Progress(**said))
