@@ -1,0 +1,78 @@
+"""The service core's own cost per cohort, without gRPC: N ranks join one in-process
+`Coordinator` through `join()` (rank 0 uploads the manifest it is asked for) until FORMED.
+Prints the CPU seconds per cohort (min, median, max of --repeats) and writes JSON.
+
+What it leaves out, on purpose: the network, protobuf and the servicer (bench_scale.py
+measures those end to end). What it is for: comparing two versions of the service core on
+the same work, e.g. `PYTHONPATH=<other tree> python bench/bench_core.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from coordinator.cli import logs
+from coordinator.decision.cohort import Member
+from coordinator.service.core import Coordinator
+from coordinator.state.base import JoinIntent
+from tests.helpers import manifest_of, save_figures
+
+M = manifest_of()
+
+
+async def one_cohort(n: int) -> float:
+    """CPU seconds from the first join to the last rank's verdict."""
+    coordinator = Coordinator()
+
+    async def rank(r: int) -> str:
+        member = Member(
+            rank=r,
+            host=f"h{r // 8}",
+            pid=r,
+            incarnation=uuid.uuid4().hex,
+            signature=M.signature(),
+            manifest_entries=len(M),
+            init_method="tcp://127.0.0.1:1" if r == 0 else "",
+        )
+        async for event in coordinator.join(JoinIntent("core", 0, member, n, quiet=r != 0)):
+            kind = type(event).__name__
+            if kind == "UploadAsk":
+                coordinator.upload(event.ref, M, M.signature())  # type: ignore[union-attr]
+            elif kind == "Verdict":
+                return str(event.outcome.value)  # type: ignore[union-attr]
+        return "no verdict"
+
+    started = time.process_time()
+    outcomes = await asyncio.gather(*(rank(r) for r in range(n)))
+    took = time.process_time() - started
+    assert set(outcomes) == {"formed"}, set(outcomes)
+    coordinator.close()
+    return took
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/core.json"))
+    args = parser.parse_args()
+    logs.configure("json", "warning")
+    runs = sorted(asyncio.run(one_cohort(args.ranks)) for _ in range(args.repeats))
+    row = {"ranks": args.ranks, "cpu_s": runs, "median_cpu_s": statistics.median(runs)}
+    said = (
+        f"{args.ranks} ranks, one cohort, in-process: CPU {runs[0]:.3f} / "
+        f"{row['median_cpu_s']:.3f} / {runs[-1]:.3f} s (min / median / max of {args.repeats})"
+    )
+    return save_figures(args.json, row, said)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
