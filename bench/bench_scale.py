@@ -23,11 +23,15 @@ itself, and so its `torchft_lighthouse` script, needs opentelemetry, which we do
 install). What still differs: cohortgate ranks send a signature and a manifest size, are
 asked for manifests when signatures differ, and receive a verdict message; TCPStore
 clients exchange 64-byte strings; Lighthouse clients receive the quorum (every member).
+The floor (--peers floor, bench/floor_server.py): the
+same clients against a minimal grpc.aio server on our stubs and event loop, with the RPC
+shape cohortgate ships, that only counts ranks and sends each call one verdict; the table
+then says `cohortgate / floor` (our own code) and `floor / TCPStore` (the stack).
 Prints a table and writes JSON.
 
 Usage: python bench/bench_scale.py --quick
        python bench/bench_scale.py [--ranks 256,4096] [--relay 1] [--node 0] [--procs 3]
-       [--signatures 1] [--entries 200] [--peers tcpstore,lighthouse] [--repeats 3] [--bare]
+       [--signatures 1] [--entries 200] [--peers tcpstore,lighthouse,floor] [--repeats 3] [--bare]
        [--json PATH]
 """
 
@@ -181,8 +185,23 @@ def _groups(n: int, size: int, procs: int) -> list[list[tuple[int, list[int]]]]:
     return [groups[i::procs] for i in range(procs)]
 
 
+FLOOR = [sys.executable, str(REPO / "bench" / "floor_server.py")]
+
+
+def run_floor(n: int, procs: int, entries: int, relay: int = 1) -> dict[str, Any]:
+    """The same clients against the floor of our stack (bench/floor_server.py)."""
+    return run_cohortgate(n, procs, entries, 1, relay, floor=True)
+
+
 def run_cohortgate(
-    n: int, procs: int, entries: int, signatures: int, relay: int = 1, bare: bool = False
+    n: int,
+    procs: int,
+    entries: int,
+    signatures: int,
+    relay: int = 1,
+    bare: bool = False,
+    *,
+    floor: bool = False,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         # Production settings: history (SQLite) and metrics on, info logs (to /dev/null);
@@ -197,7 +216,13 @@ def run_cohortgate(
                 str(Path(tmp) / "history.sqlite"),
             ]
         )
-        server, port = spawn(Path(tmp) / "port", flags, stdout=subprocess.DEVNULL, new_session=True)
+        server, port = spawn(
+            Path(tmp) / "port",
+            [] if floor else flags,
+            stdout=subprocess.DEVNULL,
+            new_session=True,
+            program=FLOOR if floor else None,
+        )
         try:
             addr = f"127.0.0.1:{port}"
             cpu0, _ = _proc_cpu_rss(server.pid)
@@ -219,9 +244,9 @@ def run_cohortgate(
     for r in results:
         for k, v in r["outcomes"].items():
             outcomes[k] = outcomes.get(k, 0) + v
+    name = "floor" if floor else "cohortgate"
     return {
-        "system": ("cohortgate" if relay == 1 else f"cohortgate/relay{relay}")
-        + ("/bare" if bare else ""),
+        "system": (name if relay == 1 else f"{name}/relay{relay}") + ("/bare" if bare else ""),
         "ranks": n,
         "first_join_to_done_s": done - first,
         "last_join_to_done_s": done - last_join,
@@ -557,6 +582,14 @@ def _print_table(rows: list[dict[str, Any]], hop: dict[str, float] | None) -> No
         if r["system"].startswith("cohortgate") and not r["system"].endswith("/bare")
     }
     extra = hop["hop_s"] if hop else 0.0
+    floors = {r["ranks"]: r for r in rows if r["system"].startswith("floor")}
+    for n, floor in floors.items():
+        mine, base = ours[n], floor
+        print(
+            f"{n} ranks: cohortgate / floor (same transport, loop and clients, no hop) = "
+            f"{mine['first_join_to_done_s'] / base['first_join_to_done_s']:.2f} first join "
+            f"to done, {mine['coordinator_cpu_s'] / base['coordinator_cpu_s']:.2f} server CPU"
+        )
     for r in rows:
         if r["system"].split("/")[0] in ("tcpstore", "lighthouse"):
             mine = ours[r["ranks"]]["first_join_to_done_s"] + extra
@@ -565,6 +598,12 @@ def _print_table(rows: list[dict[str, Any]], hop: dict[str, float] | None) -> No
                 f"(first join to done, medians, same grouping) = "
                 f"{mine / r['first_join_to_done_s']:.2f}"
             )
+            if r["ranks"] in floors:
+                floor_s = floors[r["ranks"]]["first_join_to_done_s"]
+                print(
+                    f"{r['ranks']} ranks: floor / {r['system']} (what the stack alone costs) = "
+                    f"{floor_s / r['first_join_to_done_s']:.2f}"
+                )
 
 
 def main() -> int:
@@ -582,7 +621,10 @@ def main() -> int:
     parser.add_argument("--signatures", type=int, default=1)
     parser.add_argument("--entries", type=int, default=200)
     parser.add_argument(
-        "--peers", default="tcpstore,lighthouse", help="comma list: tcpstore, lighthouse, none"
+        "--peers",
+        default="tcpstore,lighthouse",
+        help="comma list: tcpstore, lighthouse, floor (a minimal server on our stubs: the "
+        "stack alone), none",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -603,7 +645,7 @@ def main() -> int:
     # reachable (as here) each lookup waits ~0.17 s, so 4096 TCPStore clients took minutes
     # to connect. Inherited by every worker; the timed part does no lookups.
     os.environ.setdefault("RES_OPTIONS", "timeout:0 attempts:0")
-    peers = [p for p in args.peers.split(",") if p in ("tcpstore", "lighthouse")]
+    peers = [p for p in args.peers.split(",") if p in ("tcpstore", "lighthouse", "floor")]
     if "lighthouse" in peers and _torchft() is None:
         print("torchft is not installed (pip install --no-deps torchft==0.2.0): no Lighthouse")
         peers.remove("lighthouse")
@@ -619,6 +661,8 @@ def main() -> int:
                 runs.setdefault("bare", []).append(
                     run_cohortgate(n, args.procs, args.entries, args.signatures, args.relay, True)
                 )
+            if "floor" in peers:
+                runs["floor"].append(run_floor(n, args.procs, args.entries, args.relay))
             if "tcpstore" in peers:
                 runs["tcpstore"].append(run_tcpstore(n, args.procs, args.relay))
             if "lighthouse" in peers:

@@ -20,16 +20,15 @@ def spawn(
     command: str = "serve",
     preexec: Callable[[], None] | None = None,
     env: Mapping[str, str] | None = None,
+    program: Sequence[str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """(the process, its gRPC port). The coordinator (or `command="relay"`, a relay) writes
-    its ports to `port_file` once it serves; an exit or a silence past `timeout` raises
-    RuntimeError saying which."""
+    """(the process, its gRPC port). The coordinator (or `command="relay"`, a relay; or
+    `program`, any server that takes --listen and --port-file alike) writes its ports to
+    `port_file` once it serves; an exit or a silence past `timeout` raises RuntimeError
+    saying which."""
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            command,
+            *(program or (sys.executable, "-m", "coordinator.cli", command)),
             "--listen",
             "127.0.0.1:0",
             "--port-file",
