@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -430,3 +432,45 @@ def test_cohortgate_run_joins_through_a_relay(tmp_path: Path) -> None:
     assert "[cohortgate] relay 127.0.0.1:" in out
     assert out.count("all_reduce sum 10, trained 2 steps") == 4, out
     assert len(groups) == 4 and max(groups) > 1, f"the coordinator saw groups {groups}"
+
+
+def test_a_group_validates_what_its_members_share_once_and_each_difference_on_its_own() -> None:
+    """A relay's group carries one host, launch, runtime and config many times: they are
+    validated once per call, and a member whose value differs (a bad one) is still refused,
+    named by its place in the group; the members that share a value share the result."""
+    from coordinator.contract.errors import InvalidArgument, LimitExceeded
+    from coordinator.edge.rpc import group_intents
+
+    m = manifest_of()
+
+    def group(**bad: Any) -> pb.JoinGroupRequest:
+        members = []
+        for r in range(4):
+            req = join_request("g", r, 4, m, host="node0", launch="store:1")
+            req.runtime.torch_version = "2.13.0"
+            req.config.fields.update({"hidden": "64", "layers": "2"})
+            members.append(req)
+        for field, value in bad.items():
+            target = members[2]
+            if field == "config":
+                target.config.fields.update(value)
+            elif field == "torch_version":
+                target.runtime.torch_version = value
+            else:
+                setattr(target, field, value)
+        return pb.JoinGroupRequest(members=members)
+
+    intents = group_intents(group())
+    assert [i.member.rank for i in intents] == [0, 1, 2, 3]
+    assert intents[1].member.agreed["config"] == intents[3].member.agreed["config"]
+    assert intents[1].member.runtime is intents[3].member.runtime, "validated once, shared"
+    assert intents[0].member.runtime["torch_version"] == "2.13.0"
+    for bad, error, said in (
+        ({"host": "node\x00"}, InvalidArgument, "members[2] (rank 2): host"),
+        ({"launch": "x" * 600}, InvalidArgument, "members[2] (rank 2): launch"),
+        ({"torch_version": "2.13\x07"}, InvalidArgument, "members[2] (rank 2): runtime.torch"),
+        ({"config": {"k": "v" * 2000}}, InvalidArgument, "members[2] (rank 2): config.k is"),
+        ({"config": {f"f{i}": "1" for i in range(5000)}}, LimitExceeded, "members[2]"),
+    ):
+        with pytest.raises(error, match=re.escape(said)):
+            group_intents(group(**bad))

@@ -11,6 +11,7 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.codec.wire import (
     DEFAULT_LIMITS,
     MAX_JOB_ID,
+    MAX_TEXT,
     PROTOCOL_VERSION,
     layout_from_pb,
     manifest_from_pb,
@@ -34,13 +35,61 @@ from coordinator.state.asks import UploadRef
 from coordinator.state.base import JoinIntent
 
 
-def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinIntent:
+class Seen:
+    """What one call's members share, validated once: a relay's group of K ranks of one node
+    carries one job id, host, launch, runtime and model config K times. Keyed by the raw
+    value, so a member that differs is validated on its own (and refused on its own)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[tuple[str, str], str] = {}
+        self._runtimes: dict[tuple[str, ...], dict[str, str]] = {}
+        self._agreed: dict[tuple[str, bytes], Fields] = {}
+
+    def text(self, value: str, field: str, limit: int = MAX_TEXT, *, required: bool = False) -> str:
+        key = (field, value)
+        done = self._texts.get(key)
+        if done is None:
+            done = self._texts[key] = text(value, field, limit, required=required)
+        return done
+
+    def runtime(self, req: pb.JoinRequest) -> dict[str, str]:
+        values = tuple(getattr(req.runtime, f) for f in RUNTIME_FIELDS)
+        done = self._runtimes.get(values)
+        if done is None:
+            checked = {
+                f: text(v, f"runtime.{f}") for f, v in zip(RUNTIME_FIELDS, values, strict=True)
+            }
+            done = self._runtimes[values] = checked
+        return done
+
+    def agreed(self, req: pb.JoinRequest, name: str, limits: Limits) -> Fields:
+        fingerprint = getattr(req, name)
+        key = (name, fingerprint.SerializeToString(deterministic=True))
+        done = self._agreed.get(key)
+        if done is None:
+            try:
+                fields = fingerprint.fields.items()
+                done = check_fields(name, fields, limits.max_fingerprint_fields)
+            except OverflowError as exc:
+                raise LimitExceeded(str(exc)) from None
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            self._agreed[key] = done
+        return done
+
+
+def join_intent(
+    req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS, seen: Seen | None = None
+) -> JoinIntent:
+    """One join request validated into an intent; `seen`: what earlier members of the same
+    call shared (validated once per call, not per rank)."""
+    seen = seen or Seen()
     if req.protocol_version != PROTOCOL_VERSION:
         raise FailedPrecondition(
             f"agent speaks protocol {req.protocol_version}, coordinator {PROTOCOL_VERSION}: "
             "upgrade the older of the two so both speak the same version"
         )
-    job_id = text(req.job_id, "job_id", MAX_JOB_ID, required=True)
+    job_id = seen.text(req.job_id, "job_id", MAX_JOB_ID, required=True)
     if req.world_size == 0:
         raise InvalidArgument("world_size is 0; a cohort needs at least one rank")
     if req.world_size > limits.max_world_size:
@@ -61,17 +110,17 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
             f"manifest_entries {req.manifest_entries} is above the limit "
             f"max_manifest_entries={limits.max_manifest_entries}"
         )
-    init_method = text(req.init_method, "init_method")
+    init_method = seen.text(req.init_method, "init_method")
     if req.rank == 0 and not init_method:
         raise InvalidArgument(
             "rank 0 offered no init_method: rank 0 must offer the rendezvous endpoint "
             "(tcp://HOST:PORT) that the cohort will use"
         )
-    runtime = {f: text(getattr(req.runtime, f), f"runtime.{f}") for f in RUNTIME_FIELDS}
+    runtime = seen.runtime(req)
     layout = layout_from_pb(req.layout, limits) if req.HasField("layout") else None
     member = Member(
         rank=req.rank,
-        host=text(req.host, "host", required=True),
+        host=seen.text(req.host, "host", required=True),
         pid=req.pid,
         incarnation=text(req.incarnation, "incarnation", 128, required=True),
         signature=signature,
@@ -81,29 +130,18 @@ def join_intent(req: pb.JoinRequest, limits: Limits = DEFAULT_LIMITS) -> JoinInt
         runtime=runtime,
         layout=layout,
         weights_digest=weights_digest,
-        launch=text(req.launch, "launch"),
+        launch=seen.text(req.launch, "launch"),
         restart_count=req.restart_count,
         sharded_without_layout=req.sharded_without_layout,
-        agreed=agreed_of(req, limits),
+        agreed={
+            name: seen.agreed(req, name, limits)
+            for name in AGREED
+            if req.HasField(name)  # type: ignore[arg-type]  # one of AGREED's names
+        },
     )
     return JoinIntent(
         job_id=job_id, round=req.round, member=member, world_size=req.world_size, quiet=req.quiet
     )
-
-
-def agreed_of(req: pb.JoinRequest, limits: Limits) -> dict[str, Fields]:
-    """The fingerprints a join carries (config, code, facts), each within its limits."""
-    agreed = {}
-    for name in AGREED:
-        if req.HasField(name):  # type: ignore[arg-type]  # one of AGREED's names
-            fields = getattr(req, name).fields
-            try:
-                agreed[name] = check_fields(name, fields.items(), limits.max_fingerprint_fields)
-            except OverflowError as exc:
-                raise LimitExceeded(str(exc)) from None
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
-    return agreed
 
 
 # Members of one JoinGroup call: a node's local ranks (8 on a GPU node); room for big hosts.
@@ -120,9 +158,10 @@ def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> 
         )
     intents: list[JoinIntent] = []
     ranks: set[int] = set()
+    seen = Seen()
     for i, member in enumerate(req.members):
         try:
-            intent = join_intent(member, limits)
+            intent = join_intent(member, limits, seen)
         except CoordinatorError as exc:
             exc.args = (f"members[{i}] (rank {member.rank}): {exc}",)
             raise
