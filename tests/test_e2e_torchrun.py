@@ -67,7 +67,7 @@ def test_wider_rank_is_refused_on_every_rank_within_seconds(tmp_path: Path) -> N
     root = out[out.index("Root Cause (first observed failure):") :]
     # whichever rank torchrun picks, its error file names the culprit first
     assert f"traceback : rank 2 on {host} built a different model than ranks 0-1,3" in root, root
-    last_join = max(stamp(e) for e in events if e.get("event") == "rank joined")
+    last_join = max(stamp(e) for e in events if e.get("event") == "ranks joined")
     # No hang: the whole job is gone well within 10 s of the last join (torchrun included).
     assert ended - last_join < 10, f"{ended - last_join:.1f}s after the last join"
 

@@ -230,7 +230,13 @@ def relay(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
 
 
 def joined_groups(log: Path) -> list[int]:
-    return [int(e["group"]) for e in log_events(log) if e.get("event") == "rank joined"]
+    """Per rank joined, the size of the call it joined in (one log line per call)."""
+    return [
+        int(e["group"])
+        for e in log_events(log)
+        if e.get("event") == "ranks joined"
+        for _ in range(int(e["count"]))
+    ]
 
 
 def test_ranks_through_a_relay_form_as_groups(relay: tuple[str, str, Path]) -> None:

@@ -223,7 +223,12 @@ def test_a_relay_cuts_its_group_at_the_coordinators_message_limit(tmp_path: Path
                 results = list(pool.map(lambda rank: run_rank(f"127.0.0.1:{port}", *rank), ranks))
         finally:
             kill_group(proc)
-        groups = [int(e["group"]) for e in log_events(log) if e.get("event") == "rank joined"]
+        groups = [
+            int(e["group"])
+            for e in log_events(log)
+            if e.get("event") == "ranks joined"
+            for _ in range(int(e["count"]))
+        ]
     assert [r.error for r in results] == [None] * 4
     assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in results), [
         r.verdict.reason for r in results if r.verdict

@@ -93,6 +93,8 @@ class Admission:
         `poke`, or the verdict of a decided round the same incarnation took part in."""
         held: Held = []
         cohort: LiveCohort | None = None
+        waiting = intruders = 0  # counted once for the call, not per rank
+        opened = False
         try:
             for intent in intents:
                 result = self._join_store(intent)
@@ -121,18 +123,28 @@ class Admission:
                 if self.calls.hold(ref, poke, alive):
                     pass  # the same incarnation again: already counted
                 elif result.intruder:
-                    self.observer.metrics.joins.inc()  # never a member: not waiting
+                    intruders += 1
                 else:
-                    self.observer.joined(result.opened)
+                    waiting += 1
+                    opened = opened or result.opened
                 held.append((ref, member))
-                log.debug(
-                    "rank joined", **_where(cohort, member), signature=member.signature.hex()[:12]
-                )
         except BaseException:
+            self.observer.joined(waiting, opened, intruders)
             if cohort is not None:
                 self._release(cohort, held, poke)
             raise
         assert cohort is not None
+        self.observer.joined(waiting, opened, intruders)
+        first = held[0][1]
+        log.debug(
+            "ranks joined",
+            job=cohort.job_id,
+            round=cohort.round,
+            ranks=ranges.compress_capped([m.rank for _, m in held]),
+            count=len(held),
+            host=first.host,
+            signature=first.signature.hex()[:12],
+        )
         return cohort, held
 
     def _join_store(self, intent: JoinIntent) -> JoinResult:
@@ -224,7 +236,7 @@ class Admission:
             )
         return True
 
-    def _release(self, cohort: LiveCohort, held: Held, poke: object) -> None:
+    def _release(self, cohort: LiveCohort, held: Held, poke: asyncio.Event) -> None:
         """A call ended: its members still waiting leave (unless another call took them)."""
         for ref, member in held:
             if self.calls.release(ref, poke) and cohort.verdict is None:
@@ -236,6 +248,7 @@ class Admission:
         if not cohort.state.holds(member):
             return  # an intruder (another launch), or already replaced
         successors = self.store.leave(cohort, member)
+        self.calls.forget(cohort, member)
         self.observer.departed()
         self._changed(cohort)
         log.info("rank left before the verdict", **_where(cohort, member))

@@ -92,8 +92,8 @@ class Decider:
         cancel reached grpc, the done callback is still queued) leave first, so a cohort
         never forms with a process that is gone."""
         state = cohort.state
-        if not state.complete:
-            return
+        if not state.complete or not self.calls.any_ended(cohort):
+            return  # one look per call; members only when a call has ended
         for member in [m for m in state.members.values() if not self.calls.answers(cohort, m)]:
             self._depart(cohort, member)
 

@@ -89,5 +89,4 @@ class Delivery:
         """The verdict goes to every rank waiting on it, another launch's included; the
         service stops tracking the cohort."""
         self.book.drop(cohort)
-        for m in [*cohort.state.members.values(), *cohort.state.intruders]:
-            self.calls.poke(cohort, m)
+        self.calls.poke_all(cohort)

@@ -29,9 +29,13 @@ class Observer:
         self.metrics.history_spooled.set(self.history.spooled)
         return problem
 
-    def joined(self, opened: bool) -> None:
-        self.metrics.joins.inc()
-        self.metrics.ranks_waiting.inc()
+    def joined(self, waiting: int, opened: bool, intruders: int = 0) -> None:
+        """One call's joins: `waiting` ranks now wait (a new cohort if `opened`); intruders
+        of another launch count as joins, never as waiting."""
+        if waiting + intruders:
+            self.metrics.joins.inc(waiting + intruders)
+        if waiting:
+            self.metrics.ranks_waiting.inc(waiting)
         if opened:
             self.metrics.cohorts_waiting.inc()
 

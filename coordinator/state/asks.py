@@ -4,13 +4,14 @@ handed over to another rank of the class when it leaves, closed once the upload 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from coordinator.decision.cohort import CohortState, Member, UploadKind
 
 
-@dataclass(frozen=True)
-class UploadRef:
-    """Who sends an upload: one incarnation of one rank in one round of a job."""
+class UploadRef(NamedTuple):
+    """Who sends an upload: one incarnation of one rank in one round of a job. A tuple: it
+    keys every waiting call, and a tuple hashes in C."""
 
     job_id: str
     round: int
