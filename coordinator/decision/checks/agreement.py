@@ -30,6 +30,8 @@ class AgreementCheck(Check):
         self.partial_strict = partial_strict
 
     def run(self, ctx: Context, level: Level) -> Result:
+        if len({m.agreed.get(self.name) for m in ctx.cohort.members.values()}) <= 1:
+            return Result()  # every rank sent the same fields (or none did)
         sent: dict[int, Fields | None] = {
             r: m.agreed.get(self.name) for r, m in ctx.cohort.members.items()
         }

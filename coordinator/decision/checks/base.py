@@ -28,9 +28,19 @@ class Context:
     # rank -> layout, for the ranks that declared one (none: the job is not sharded)
     layouts: dict[int, Layout] = field(default_factory=dict)
     found: list[Finding] = field(default_factory=list)
+    _runtimes: list[Mapping[str, str]] | None = field(default=None, repr=False)  # runtimes()
 
     def found_by(self, check: str, level: Level | None = None) -> bool:
         return any(f.check == check and level in (None, f.level) for f in self.found)
+
+    def runtimes(self) -> list[Mapping[str, str]]:
+        """The distinct runtimes the members reported: one look at each member for every
+        runtime check together (the ranks of one call share one validated dict)."""
+        if self._runtimes is None:
+            by_object = {id(m.runtime): m.runtime for m in self.cohort.members.values()}
+            by_value = {tuple(sorted(rt.items())): rt for rt in by_object.values()}
+            self._runtimes = list(by_value.values())
+        return self._runtimes
 
 
 @dataclass(frozen=True)

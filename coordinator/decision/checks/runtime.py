@@ -35,6 +35,9 @@ class RuntimeCheck(Check):
         self.help = f"every rank reports the same {field}"  # type: ignore[misc]
 
     def run(self, ctx: Context, level: Level) -> Result:
+        seen = {self.normal(rt.get(self.field, "")) for rt in ctx.runtimes()}
+        if len(seen) <= 1:
+            return Result()  # every rank agrees: no per-rank look
         members = ctx.cohort.members
         values = {r: self.normal(m.runtime.get(self.field, "")) for r, m in members.items()}
         text = disagreement(self.field, values)
