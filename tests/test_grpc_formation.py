@@ -377,3 +377,50 @@ def test_decided_jobs_leave_memory_but_their_verdicts_replay_from_history() -> N
     finally:
         coord.stop()
     assert first[0].verdict is not None and again.verdict == first[0].verdict
+
+
+def test_calls_that_complete_within_the_progress_interval_get_only_their_verdict() -> None:
+    """The first progress event waits one interval: a cohort that forms sooner sends each
+    call one message, its verdict; a rank that waits longer hears its round."""
+    m = manifest_of()
+    coord = InProcessCoordinator(progress_interval=3.0)
+    try:
+        fast = run_cohort(coord.addr, "fast", dict.fromkeys(range(4), m), world=4)
+        assert [r.progress for r in fast] == [[]] * 4, "nothing but the verdict"
+        assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in fast)
+        with ThreadPoolExecutor(1) as pool:
+            early = pool.submit(run_rank, coord.addr, join_request("slow", 0, 2, m), m)
+            time.sleep(4.0)  # past one interval: rank 0 hears its round
+            late = run_rank(coord.addr, join_request("slow", 1, 2, m), m)
+            first = early.result(timeout=30)
+        assert [p.round for p in first.progress] == [1], first.progress
+        assert first.progress[0].message == "1/2 ranks joined, waiting for ranks 1"
+        assert late.progress == [] and late.verdict is not None and first.verdict is not None
+        assert late.verdict.cohort_id == first.verdict.cohort_id
+    finally:
+        coord.stop()
+
+
+def test_a_join_cut_before_its_first_progress_rejoins_the_same_round() -> None:
+    """A call cut before it heard its round (the agent's and the relay's round pin comes
+    from the first progress event) re-joins without one: it lands in the round still open,
+    not a new one, and the cohort forms once."""
+    m = manifest_of()
+    coord = InProcessCoordinator(progress_interval=5.0)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            holder = pool.submit(run_rank, coord.addr, join_request("pin", 0, 3, m), m)
+            cut = join_request("pin", 1, 3, m)
+            with grpc.insecure_channel(coord.addr) as channel:
+                call = pb_grpc.CohortServiceStub(channel).Join(cut, timeout=30)
+                time.sleep(0.5)  # joined, and heard nothing yet
+                call.cancel()
+            again = pool.submit(run_rank, coord.addr, cut, m)  # same incarnation, round 0
+            time.sleep(0.5)
+            last = run_rank(coord.addr, join_request("pin", 2, 3, m), m)
+            results = [holder.result(timeout=30), again.result(timeout=30), last]
+        verdicts = [r.verdict for r in results]
+        assert all(v is not None and v.outcome == FORMED and v.round == 1 for v in verdicts)
+        assert len({v.cohort_id for v in verdicts if v is not None}) == 1
+    finally:
+        coord.stop()

@@ -248,9 +248,8 @@ def test_ranks_through_a_relay_form_as_groups(relay: tuple[str, str, Path]) -> N
     assert results[0].verdict is not None
     assert results[0].verdict.init_method == "tcp://127.0.0.1:29999"
     assert sum(r.manifest_requests for r in results) == 1
-    # The group that completes the cohort goes straight to the verdict; the others hear
-    # their round first.
-    assert any(r.progress for r in results)
+    # A group hears its round only if it waits a progress interval (see
+    # test_grpc_formation: the first progress event waits one interval).
     assert all(p.round == 1 for r in results for p in r.progress)
     groups = joined_groups(log)
     assert len(groups) == 8 and max(groups) > 1, f"the coordinator saw groups {groups}"

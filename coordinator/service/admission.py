@@ -174,7 +174,9 @@ class Admission:
         told: set[tuple[UploadKind, int]] = set()
         asks_seen = -1  # Asks.made when this call last looked at its members' asks
         quiet = all(i.quiet for i in intents)
-        last_progress = float("-inf")
+        # The first progress event waits one interval: a call that completes sooner gets
+        # only its verdict (most calls of a job that forms at once).
+        last_progress, told_progress = self.clock(), False
         while True:
             if cohort.verdict is not None:
                 if await self._recorded(cohort, poke, alive):
@@ -188,12 +190,12 @@ class Admission:
                 for ask in _new_asks(cohort, held, told):
                     yield ask
             now = self.clock()
-            if now - last_progress >= self.progress_interval_s and (not quiet or last_progress < 0):
-                last_progress = now
+            if now - last_progress >= self.progress_interval_s and not (quiet and told_progress):
+                last_progress, told_progress = now, True
                 for _, m in held:
                     m.last_seen = now
                 yield self.progress(cohort)
-            await self._sleep(poke, None if quiet else last_progress)
+            await self._sleep(poke, None if quiet and told_progress else last_progress)
 
     async def _sleep(self, poke: asyncio.Event, last_progress: float | None) -> None:
         """Until `poke`, or the next progress event is due (None: no progress events)."""
