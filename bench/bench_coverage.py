@@ -7,7 +7,9 @@ the path the coordinator runs: each rank's layout as its wire bytes (PieceColumn
 pieces a rank, as agents send them), decoded and validated (`layout_from_pb`, per join, in
 the coordinator's decode thread), then the coverage check's own entry point
 (`CoverageCheck.run` over the cohort's layouts, as the decision calls it), on a 3-D grid,
-the brick walls, and 62,500 tensors split 16 ways (a TP=16 job of a large model).
+the brick walls, and 62,500 tensors split 16 ways (a TP=16 job of a large model); the 3-D
+grid also dealt round-robin to 16 ranks (no rank holds a contiguous region), valid and with
+one block moved by one element along an axis.
 
 Usage: python bench/bench_coverage.py [--pieces 1000000] [--repeats 3] [--json PATH]
 """
@@ -81,6 +83,21 @@ def one_tensor(shape: tuple[int, ...], offsets: np.ndarray, lengths: np.ndarray)
         o, ln = offsets[start : start + RANK_PIECES], lengths[start : start + RANK_PIECES]
         cols = columns(["w"], np.array([shape]), np.zeros(len(o), dtype=np.int64), o, ln)
         out.append(wire.layout_to_pb(Layout({"tp": 1}, {"tp": r}, pieces=cols)).SerializeToString())
+    return out
+
+
+def dealt(
+    shape: tuple[int, ...], offsets: np.ndarray, lengths: np.ndarray, ranks: int = 16
+) -> list[bytes]:
+    """One tensor's pieces dealt round-robin to `ranks` ranks (piece i to rank i % ranks),
+    so that no rank holds a contiguous region: each rank's wire bytes."""
+    out = []
+    for r in range(ranks):
+        o, ln = offsets[r::ranks], lengths[r::ranks]
+        cols = columns(["w"], np.array([shape]), np.zeros(len(o), dtype=np.int64), o, ln)
+        out.append(
+            wire.layout_to_pb(Layout({"tp": ranks}, {"tp": r}, pieces=cols)).SerializeToString()
+        )
     return out
 
 
@@ -207,8 +224,17 @@ def main() -> int:
     j, k = np.divmod(rest, side3)
     grid3 = np.stack([i * 4, j * 4, k * 4], axis=1)
     cube = np.full((side3**3, 3), 4, dtype=np.int64)
+    moved = grid3.copy()
+    moved[len(moved) // 2, 0] += 1  # one block, one element along the first axis
     entry = [
         through_the_check("grid 3-D", one_tensor((side3 * 4,) * 3, grid3, cube), args.repeats, []),
+        through_the_check("grid 3-D dealt", dealt((side3 * 4,) * 3, grid3, cube), args.repeats, []),
+        through_the_check(
+            "grid 3-D moved",
+            dealt((side3 * 4,) * 3, moved, cube),
+            args.repeats,
+            ["overlap", "uncovered"],
+        ),
         through_the_check("62,500 x tp=16", tp_split(max(1, n // 16), 16), args.repeats, []),
         through_the_check(
             "brick wall", one_tensor(wall, wall_offsets, wall_lengths), args.repeats, []
