@@ -42,6 +42,7 @@ class Tracked:
     # None: not being decided off the loop; False: it is; True: decide again when it returns
     deciding: bool | None = None
     progress: tuple[float, int, Progress] | None = None  # (made at, state version, event)
+    asks_poked: int = -1  # Asks.made when the ask holders' calls were last woken
     timers: dict[str, tuple[float, asyncio.TimerHandle]] = field(default_factory=dict)
 
     def cancel(self, *labels: str) -> None:

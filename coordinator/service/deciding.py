@@ -157,8 +157,12 @@ class Decider:
         if kind != tracked.reason_kind:
             tracked.reason_kind = kind
             log.info("waiting", job=cohort.job_id, round=cohort.round, reason=decision.reason)
-        for holder in cohort.asks.holders(cohort.state):
-            self.calls.poke(cohort, holder)
+        if cohort.asks.made != tracked.asks_poked:
+            # New asks: their holders' calls pass them on (not on every join: a holder's
+            # call would otherwise wake once per call that joins after it).
+            tracked.asks_poked = cohort.asks.made
+            for holder in cohort.asks.holders(cohort.state):
+                self.calls.poke(cohort, holder)
         # The one moment the decision can change by itself; evaluated again then.
         if decision.recheck_at is not None:
             self.book.arm(cohort, "recheck", decision.recheck_at, self.evaluate)
