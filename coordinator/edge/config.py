@@ -64,7 +64,11 @@ class ServeConfig(BaseModel):
     )
     join_deadline: float = Field(600.0, gt=0, description="seconds from a cohort's first join")
     manifest_timeout: float = Field(30.0, gt=0, description="seconds to wait for manifests")
-    progress_interval: float = Field(1.0, gt=0, description="seconds between progress events")
+    progress_interval: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between progress events (the first one interval after the join)",
+    )
     watch_interval: float = Field(
         0.5,
         gt=0,
