@@ -14,16 +14,14 @@ import asyncio
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.cli import logs
-from coordinator.decision.cohort import Member
 from coordinator.service.core import Coordinator
 from coordinator.state.base import JoinIntent
-from tests.helpers import manifest_of, save_figures
+from tests.helpers import manifest_of, member_of, save_figures
 
 M = manifest_of()
 
@@ -34,16 +32,7 @@ async def one_cohort(n: int, group: int) -> float:
     coordinator = Coordinator()
 
     def intent(r: int) -> JoinIntent:
-        member = Member(
-            rank=r,
-            host=f"h{r // 8}",
-            pid=r,
-            incarnation=uuid.uuid4().hex,
-            signature=M.signature(),
-            manifest_entries=len(M),
-            init_method="tcp://127.0.0.1:1" if r == 0 else "",
-        )
-        return JoinIntent("core", 0, member, n, quiet=r != 0)
+        return JoinIntent("core", 0, member_of(r, M), n, quiet=r != 0)
 
     async def call(first: int) -> str:
         intents = [intent(r) for r in range(first, min(first + group, n))]

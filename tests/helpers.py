@@ -28,6 +28,7 @@ from coordinator.codec import wire
 from coordinator.codec.channel import ClientSecurity
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Entry, Kind, Manifest
+from coordinator.decision.cohort import Member
 from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import judge
 from coordinator.decision.verdict import Decision
@@ -91,12 +92,21 @@ class RankResult:
 def join_request(
     job: str, rank: int, world: int, manifest: Manifest, **overrides: Any
 ) -> pb.JoinRequest:
-    fields: dict[str, Any] = {
+    fields = {
         "protocol_version": wire.PROTOCOL_VERSION,
         "job_id": job,
-        "rank": rank,
         "world_size": world,
         "local_rank": rank,
+        **_rank_fields(rank, manifest),
+        **overrides,
+    }
+    return pb.JoinRequest(**fields)
+
+
+def _rank_fields(rank: int, manifest: Manifest) -> dict[str, Any]:
+    """Who a test rank is (a fresh incarnation; rank 0 offers the rendezvous)."""
+    return {
+        "rank": rank,
         "host": f"host{rank // 4}",
         "pid": 1000 + rank,
         "incarnation": uuid.uuid4().hex,
@@ -104,8 +114,6 @@ def join_request(
         "manifest_entries": len(manifest),
         "init_method": "tcp://127.0.0.1:29999" if rank == 0 else "",
     }
-    fields.update(overrides)
-    return pb.JoinRequest(**fields)
 
 
 async def join_async(
@@ -478,3 +486,9 @@ def python_c(code: str, timeout: float = 60) -> str:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=timeout
     )
     return out.stdout.strip()
+
+
+def member_of(rank: int, manifest: Manifest, **overrides: Any) -> Member:
+    """A rank's join as the store holds it (a fresh incarnation; rank 0 offers the
+    rendezvous), for tests and benches that drive the service or the store directly."""
+    return Member(**{**_rank_fields(rank, manifest), **overrides})

@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.decision.cohort import Member
 from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import judge
 from coordinator.edge.config import run_history
@@ -33,6 +32,7 @@ from tests.helpers import (
     launch,
     launch_env,
     manifest_of,
+    member_of,
     run_cohort,
 )
 from tests.test_relay_faults import relay_process
@@ -58,15 +58,7 @@ def _split_headline(sizes: tuple[int, int]) -> str:
     world = sum(sizes)
     for rank in range(world):
         m = narrow if rank < sizes[0] else wide
-        member = Member(
-            rank=rank,
-            host=f"node{'ab'[rank >= sizes[0]]}",
-            pid=rank,
-            incarnation=uuid.uuid4().hex,
-            signature=m.signature(),
-            manifest_entries=len(m),
-            init_method="tcp://h:1" if rank == 0 else "",
-        )
+        member = member_of(rank, m, host=f"node{'ab'[rank >= sizes[0]]}")
         result = store.join(JoinIntent("split", 0, member, world))
         result.cohort.state.manifests[m.signature()] = m  # type: ignore[assignment]
     cohort = store.find("split")
