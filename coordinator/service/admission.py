@@ -11,6 +11,7 @@ import structlog
 from coordinator.contract import ranges
 from coordinator.contract.errors import AlreadyHeld, FailedPrecondition, Unavailable
 from coordinator.decision.cohort import Member, UploadKind
+from coordinator.decision.formation import FormationOptions, join_deadline
 from coordinator.decision.verdict import Verdict
 from coordinator.service.book import Book, ref_of
 from coordinator.service.calls import Calls
@@ -35,6 +36,7 @@ class Admission:
     def __init__(
         self,
         store: CohortStore,
+        options: FormationOptions,
         observer: Observer,
         clock: Callable[[], float],
         calls: Calls,
@@ -45,7 +47,7 @@ class Admission:
         recording: Callable[[LiveCohort], bool],
         changed: Callable[[LiveCohort], None],
     ) -> None:
-        self.store, self.observer, self.clock = store, observer, clock
+        self.store, self.options, self.observer, self.clock = store, options, observer, clock
         self.calls, self.book = calls, book
         self.progress_interval_s = progress_interval_s
         self._evaluate, self._recording, self._changed = evaluate, recording, changed
@@ -287,7 +289,7 @@ class Admission:
             message += f", waiting for ranks {missing}"
         elif state.classes and len(state.classes) > 1:
             message += ", waiting for the manifests that explain the mismatch"
-        deadline_in = tracked.deadline_at - now
+        deadline_in = join_deadline(state, self.options) - now
         event = Progress(cohort.job_id, cohort.round, joined, n, missing, message, deadline_in)
         tracked.progress = (now, state.version, event)
         return event

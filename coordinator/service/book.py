@@ -35,7 +35,6 @@ class Tracked:
     reason: str = ""  # the last decision's reason
     reason_kind: str = ""  # the same with digits masked: logged when it changes
     recheck_at: float | None = None  # the last decision's: when it may change by itself
-    deadline_at: float = 0.0  # the join deadline (formation.join_deadline)
     # Decided, but held back from the ranks until the history has stored the verdict (at
     # most RECORD_WAIT_S): a rank re-joining a restarted coordinator must find it there.
     recording: bool = False

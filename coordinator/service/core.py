@@ -66,6 +66,7 @@ class Coordinator:
         self.delivery = Delivery(self.observer, self.book, self.calls, self._changed)
         self.admission = Admission(
             self.store,
+            self.options,
             self.observer,
             clock,
             self.calls,

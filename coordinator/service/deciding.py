@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 import structlog
 
 from coordinator.decision.cohort import Member
-from coordinator.decision.formation import FormationOptions, join_deadline
+from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import judge
 from coordinator.decision.verdict import Decision, Verdict
 from coordinator.service.book import Book
@@ -79,7 +79,6 @@ class Decider:
         self._drop_ended_calls(cohort)
         if cohort.settled:
             return  # every rank's call had ended: abandoned
-        self.book.of(cohort).deadline_at = join_deadline(cohort.state, self.options)
         if self._heavy(cohort):
             self._decide_off_loop(cohort)
             return
