@@ -6,7 +6,7 @@ from __future__ import annotations
 from coordinator.contract import ranges
 from coordinator.contract.diff import ManifestDiff
 from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Decision, DiffKey, Level, SignatureClass
+from coordinator.decision.verdict import Decision, DiffKey, SignatureClass
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
 HOST_CAP = 8
@@ -87,7 +87,3 @@ def culprits_headline(decision: Decision) -> str | None:
         )
     against = f" ranks {ranges.compress_capped(ref.ranks)}" if ref else " the others"
     return f"{side(first)} built a different model than{against}{group}{more}"
-
-
-def strict_findings(decision: Decision) -> list[str]:
-    return [f.text for f in decision.findings if f.level is Level.STRICT]

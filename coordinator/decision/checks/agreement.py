@@ -8,7 +8,7 @@ from collections import Counter
 
 from coordinator.contract.fingerprint import AGREED, Fields, disagreements
 from coordinator.decision.checks.base import Check, Context, Result
-from coordinator.decision.verdict import Cause, Decision, Finding, Level
+from coordinator.decision.verdict import Cause, Finding, Level
 
 
 class AgreementCheck(Check):
@@ -51,10 +51,7 @@ class AgreementCheck(Check):
         n = ctx.cohort.world_size
         return f"[{n}/{n} ranks joined; {self.refusal}]"
 
-    def strict_headline(self, decision: Decision) -> str:
-        strict = [f for f in decision.findings if f.level is Level.STRICT]
-        if not strict:
-            return decision.reason.strip("[]")
+    def strict_headline(self, strict: list[Finding]) -> str:
         more = f" (and {len(strict) - 1} more)" if len(strict) > 1 else ""
         return f"{self.refusal}: {strict[0].text}{more}"
 

@@ -121,13 +121,14 @@ class Check(Words):
         return self.advice
 
     def headline(self, r: Refused) -> str:
-        return culprits_headline(r.decision) or self.strict_headline(r.decision)
+        culprits = culprits_headline(r.decision)
+        if culprits:
+            return culprits
+        strict = [f for f in r.decision.findings if f.level is Level.STRICT]
+        return self.strict_headline(strict) if strict else r.decision.reason.strip("[]")
 
-    def strict_headline(self, decision: Decision) -> str:
-        """A refusal by findings: the first strict one, in words."""
-        strict = [f for f in decision.findings if f.level is Level.STRICT]
-        if not strict:
-            return decision.reason.strip("[]")
+    def strict_headline(self, strict: list[Finding]) -> str:
+        """A refusal by findings (at least one strict): the first, in words."""
         f = strict[0]
         ranks = f"ranks {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
         return f"{f.check}: {ranks}{f.text}"
