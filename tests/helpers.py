@@ -69,6 +69,21 @@ class InProcessCoordinator:
         self.thread.join(timeout=10)
 
 
+def wait_joined(addr: str, job: str, ranks: int, within: float = 20) -> None:
+    """Until the coordinator at `addr` holds `ranks` ranks of `job`'s latest round (its
+    status API). A test that needs one rank in before the next waits for it: a thread's
+    first channel can take longer than a fixed sleep on a busy machine."""
+    give_up = time.monotonic() + within
+    with grpc.insecure_channel(addr) as channel:
+        status = pb_grpc.StatusServiceStub(channel)
+        while True:
+            found = status.ListCohorts(pb.ListCohortsRequest(job_id=job), timeout=5).cohorts
+            if found and found[-1].joined >= ranks:
+                return
+            assert time.monotonic() < give_up, f"{job}: {ranks} ranks never joined"
+            time.sleep(0.02)
+
+
 def manifest_of(width: int = 4, dtype: str = "float32", extra: int = 0) -> Manifest:
     entries = [
         Entry(Kind.PARAMETER, "fc.weight", dtype, (width, 8), True),

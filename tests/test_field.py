@@ -29,6 +29,7 @@ from tests.helpers import (
     manifest_of,
     run_rank,
     session,
+    wait_joined,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -311,7 +312,7 @@ def test_two_launches_with_one_job_id_are_refused_naming_both(coord: InProcessCo
 
     a0 = threading.Thread(target=rank, args=("a0", 0, "127.0.0.1:29500/A"))
     a0.start()
-    time.sleep(0.5)
+    wait_joined(coord.addr, "collide1", 1)
     rank("b0", 0, "127.0.0.1:29611/B")  # rank 0 is held by launch A
     a0.join()
     for name in ("a0", "b0"):
@@ -337,9 +338,9 @@ def test_ranks_of_two_launches_on_free_ranks_never_form(coord: InProcessCoordina
         threading.Thread(target=rank, args=(0, "hostA:29500")),
         threading.Thread(target=rank, args=(1, "hostB:29500")),
     ]
-    for t in threads:
-        t.start()
-        time.sleep(0.3)
+    threads[0].start()
+    wait_joined(coord.addr, "collide2", 1)  # launch A holds rank 0 when launch B's rank 1 joins
+    threads[1].start()
     for t in threads:
         t.join()
     outcomes = {r: res.verdict.outcome for r, res in results.items() if res.verdict}

@@ -14,7 +14,14 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
 from coordinator.contract.manifest import Entry, Kind, Manifest
-from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_cohort, run_rank
+from tests.helpers import (
+    InProcessCoordinator,
+    join_request,
+    manifest_of,
+    run_cohort,
+    run_rank,
+    wait_joined,
+)
 
 FORMED = pb.Verdict.OUTCOME_FORMED
 REFUSED = pb.Verdict.OUTCOME_REFUSED
@@ -40,6 +47,7 @@ def test_no_rank_learns_the_endpoint_before_formation(coord: InProcessCoordinato
     m = manifest_of()
     with ThreadPoolExecutor(max_workers=1) as pool:
         waiting = pool.submit(run_rank, coord.addr, join_request("gate", 0, 2, m), m)
+        wait_joined(coord.addr, "gate", 1)
         time.sleep(0.6)
         assert not waiting.done()
         late = run_rank(coord.addr, join_request("gate", 1, 2, m), m)
@@ -150,7 +158,7 @@ def test_duplicate_rank_is_refused_to_the_newcomer(coord: InProcessCoordinator) 
     first = join_request("dup", 1, 2, m, incarnation="first-incarnation")
     with ThreadPoolExecutor(max_workers=1) as pool:
         holder = pool.submit(run_rank, coord.addr, first, m)
-        time.sleep(0.4)
+        wait_joined(coord.addr, "dup", 1)
         dup = run_rank(coord.addr, join_request("dup", 1, 2, m, incarnation="second"), m)
         _expect_error(
             dup.error, grpc.StatusCode.ALREADY_EXISTS, "rank 1", "first-incarnation", "second"
@@ -165,7 +173,7 @@ def test_out_of_range_rank_and_world_size_disagreement(coord: InProcessCoordinat
     _expect_error(out.error, grpc.StatusCode.INVALID_ARGUMENT, "rank 5", "[0, 4)")
     with ThreadPoolExecutor(max_workers=1) as pool:
         holder = pool.submit(run_rank, coord.addr, join_request("range", 0, 2, m), m)
-        time.sleep(0.3)
+        wait_joined(coord.addr, "range", 1)
         bad = run_rank(coord.addr, join_request("range", 1, 8, m), m)
         _expect_error(
             bad.error, grpc.StatusCode.FAILED_PRECONDITION, "world size 8", "world size 2"
@@ -209,7 +217,7 @@ def test_manifest_that_does_not_hash_to_its_signature(coord: InProcessCoordinato
         liar = pool.submit(
             run_rank, coord.addr, join_request("liar", 0, 2, claimed), claimed, 30.0, other
         )
-        time.sleep(0.3)  # the liar joins first, so it is the one asked for the manifest
+        wait_joined(coord.addr, "liar", 1)  # the liar joins first: it is asked for the manifest
         honest = pool.submit(run_rank, coord.addr, join_request("liar", 1, 2, claimed), claimed)
         liar_result, honest_result = liar.result(timeout=30), honest.result(timeout=30)
     _expect_error(
@@ -346,7 +354,7 @@ def test_manifest_uploader_that_leaves_is_replaced(coord: InProcessCoordinator) 
                 break
         with ThreadPoolExecutor(max_workers=1) as pool:
             waiting = pool.submit(run_rank, coord.addr, join_request("succ", 1, 3, m), m)
-            time.sleep(0.3)
+            wait_joined(coord.addr, "succ", 2)
             call.cancel()  # rank 0 leaves without uploading: rank 1 must be asked instead
             results = run_cohort(coord.addr, "succ", {0: m, 2: m}, world=3)
             inheritor = waiting.result(timeout=15)
@@ -390,6 +398,7 @@ def test_calls_that_complete_within_the_progress_interval_get_only_their_verdict
         assert all(r.verdict is not None and r.verdict.outcome == FORMED for r in fast)
         with ThreadPoolExecutor(1) as pool:
             early = pool.submit(run_rank, coord.addr, join_request("slow", 0, 2, m), m)
+            wait_joined(coord.addr, "slow", 1)
             time.sleep(4.0)  # past one interval: rank 0 hears its round
             late = run_rank(coord.addr, join_request("slow", 1, 2, m), m)
             first = early.result(timeout=30)
@@ -413,7 +422,7 @@ def test_a_join_cut_before_its_first_progress_rejoins_the_same_round() -> None:
             cut = join_request("pin", 1, 3, m)
             with grpc.insecure_channel(coord.addr) as channel:
                 call = pb_grpc.CohortServiceStub(channel).Join(cut, timeout=30)
-                time.sleep(0.5)  # joined, and heard nothing yet
+                wait_joined(coord.addr, "pin", 2)  # joined, and heard nothing yet
                 call.cancel()
             again = pool.submit(run_rank, coord.addr, cut, m)  # same incarnation, round 0
             time.sleep(0.5)

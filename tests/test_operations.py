@@ -40,6 +40,7 @@ from tests.helpers import (
     run_cohort,
     run_rank,
     serving_pid,
+    wait_joined,
 )
 
 CLI = [sys.executable, "-m", "coordinator.cli"]
@@ -460,7 +461,7 @@ def test_sigterm_ends_waiting_joins_with_unavailable(tmp_path: Path) -> None:
         ThreadPoolExecutor(max_workers=1) as pool,
     ):
         waiting = pool.submit(run_rank, addr, join_request("shut", 0, 2, m), m)
-        time.sleep(0.5)
+        wait_joined(addr, "shut", 1)
         pid = serving_pid(log)
         os.kill(pid, signal.SIGTERM)
         result = waiting.result(timeout=30)

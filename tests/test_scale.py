@@ -34,6 +34,7 @@ from tests.helpers import (
     one_cohort,
     run_cohort,
     run_rank,
+    wait_joined,
 )
 
 FORMED = pb.Verdict.OUTCOME_FORMED
@@ -88,6 +89,9 @@ def test_quiet_ranks_get_the_first_progress_event_only(coord: InProcessCoordinat
     with ThreadPoolExecutor(3) as pool:
         loud = pool.submit(run_rank, coord.addr, join_request("q", 0, 3, m), m)
         quiet = pool.submit(run_rank, coord.addr, join_request("q", 1, 3, m, quiet=True), m)
+        # Both must be held before the clock starts: on a busy machine a thread's first
+        # channel can take longer than the wait, and a rank that joins last gets no progress.
+        wait_joined(coord.addr, "q", 2)
         time.sleep(1.5)  # ~7 progress intervals of 0.2 s
         last = run_rank(coord.addr, join_request("q", 2, 3, m, quiet=True), m)
         results = [loud.result(), quiet.result(), last]
