@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sqlite3
 import time
 from pathlib import Path
 
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.contract import ranges
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.decision.cohort import CohortState, Member
 from coordinator.decision.formation import FormationOptions, decide
 from coordinator.decision.report import build_verdict
 from coordinator.edge.replies import verdict_to_pb
 from coordinator.state.base import VerdictRow
-from coordinator.state.history import History
+from coordinator.state.history import _SCHEMA, History
+from coordinator.state.records import members_from_text, members_to_text, received, verdict_to_json
 
 
 def _manifest(names: range, dtype: str) -> Manifest:
@@ -68,3 +76,54 @@ def test_a_refused_verdict_with_a_long_diff_replays_exactly(tmp_path: Path) -> N
     (d,) = replayed.diffs.values()
     assert d is not None and len(d.missing) == 20 and d.count("missing") == 30
     assert History(tmp_path / "h.sqlite").verdict_of("long-diff", "another") is None
+
+
+def test_a_file_of_an_earlier_coordinator_replays_and_lists(tmp_path: Path) -> None:
+    """Before 0.3 the members were a JSON object and there were no gates: such a file is
+    read as it is, read-only and read-write, and new verdicts go beside its rows."""
+    state, _, _ = _refused_with_a_long_diff()
+    now = time.time()
+    verdict = build_verdict(state, decide(state, now, FormationOptions()), now, 600.0)
+    path = tmp_path / "old.sqlite"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript(_SCHEMA.split("CREATE TABLE IF NOT EXISTS gates")[0])
+        db.execute(
+            "INSERT INTO verdicts (cohort_id, job_id, round, outcome, cause, reason, report, "
+            "world_size, decided_at, members, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                verdict.cohort_id,
+                "long-diff",
+                3,
+                "refused",
+                "signature_mismatch",
+                verdict.reason,
+                verdict.report,
+                3,
+                verdict.decided_at,
+                json.dumps({"0": "i0", "1": "i1", "2": "i2"}),
+                verdict_to_json(verdict),
+            ),
+        )
+        db.commit()
+    readonly = History(path, readonly=True)
+    assert readonly.verdict_of("long-diff", "i1") == verdict
+    readonly.close()
+    history = History(path)
+    assert history.verdict_of("long-diff", "i2") == verdict
+    assert history.verdict_of("long-diff", "i9") is None
+    row = history.get("long-diff")
+    assert row is not None and row.members == {0: "i0", 1: "i1", 2: "i2"}
+    assert history.last_round("long-diff") == 3
+    history.close()
+
+
+@given(st.dictionaries(st.integers(0, 1 << 20), st.text("0123456789abcdef:-.", min_size=1)))
+def test_who_received_a_verdict_is_written_and_read_back(members: dict[int, str]) -> None:
+    text = members_to_text(members)
+    assert members_from_text(text) == members
+    for incarnation in members.values():
+        assert received(text, incarnation)
+    assert not received(text, "not-an-incarnation")
+    head = ranges.compress(members)
+    if head not in members.values():
+        assert not received(text, head), "the ranks line is not an incarnation"

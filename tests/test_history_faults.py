@@ -3,11 +3,15 @@ verdict, is counted and shows in health, and the coordinator keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sqlite3
 import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -15,8 +19,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.state.history import HistoryError
-from tests.helpers import InProcessCoordinator, coordinator_process, manifest_of, run_cohort
+from tests.helpers import (
+    InProcessCoordinator,
+    coordinator_process,
+    join_request,
+    manifest_of,
+    run_cohort,
+    run_rank,
+    serving_pid,
+)
 
 pytestmark = pytest.mark.timeout(120)
 COHORTS = 20
@@ -185,3 +198,60 @@ def test_a_corrupt_history_file_stops_the_start_in_one_line(tmp_path: Path) -> N
         History(bad)
     assert str(err.value).startswith(f"--history {bad}: cannot use the verdict history")
     assert "move the file aside" in str(err.value)
+
+
+def test_a_coordinator_killed_between_its_two_writes_replays_from_the_gate(
+    tmp_path: Path,
+) -> None:
+    """The gate that delivery waits for is written, the listing row never is (a trigger in
+    the file refuses it), the coordinator is SIGKILLed: its successor replays the same
+    verdict to a re-joining rank, lists it, and files the row once the file takes it."""
+    path = tmp_path / "history.sqlite"
+
+    def tables() -> list[int]:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return [db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in _TABLES]
+
+    with coordinator_process(tmp=tmp_path):
+        pass  # creates the file and its schema
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute(
+            "CREATE TRIGGER hold_rows BEFORE INSERT ON verdicts "
+            "BEGIN SELECT RAISE(ABORT, 'test: the second write never lands'); END"
+        )
+        db.commit()
+    m, wide = manifest_of(), manifest_of(width=8)
+    requests = {r: join_request("halfway", r, 2, x) for r, x in ((0, m), (1, wide))}
+    with coordinator_process(tmp=tmp_path) as (addr, log), ThreadPoolExecutor(2) as pool:
+        ranks = [
+            pool.submit(run_rank, addr, q, manifest)
+            for q, manifest in ((requests[0], m), (requests[1], wide))
+        ]
+        verdict = ranks[0].result(timeout=30).verdict
+        assert verdict is not None and verdict.outcome == pb.Verdict.OUTCOME_REFUSED
+        assert ranks[1].result(timeout=30).verdict == verdict
+        os.kill(serving_pid(log), signal.SIGKILL)
+    assert tables() == [1, 0], "killed between the writes: a gate and no row"
+    with coordinator_process(tmp=tmp_path) as (addr, _):  # the trigger still refuses rows
+        again = run_rank(addr, requests[0], m)
+        with grpc.insecure_channel(addr) as channel:
+            listed = pb_grpc.StatusServiceStub(channel).GetVerdict(
+                pb.GetVerdictRequest(job_id="halfway"), timeout=10
+            )
+    assert again.verdict is not None
+    assert (again.verdict.outcome, again.verdict.cohort_id, again.verdict.refusal.report) == (
+        verdict.outcome,
+        verdict.cohort_id,
+        verdict.refusal.report,
+    )
+    assert again.verdict == verdict, "replayed whole, as the ranks received it"
+    assert (listed.cohort_id, listed.report) == (verdict.cohort_id, verdict.refusal.report)
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("DROP TRIGGER hold_rows")
+        db.commit()
+    with coordinator_process(tmp=tmp_path):
+        pass  # opening the file files the gate
+    assert tables() == [0, 1]
+
+
+_TABLES = ("gates", "verdicts")

@@ -18,8 +18,10 @@ from coordinator.state.base import LiveCohort
 
 log = structlog.get_logger("cohortgate")
 
-# A verdict waits this long at most for the history to store it before the ranks get it
-# (a commit takes milliseconds; a locked or slow disk must not hold a job back longer).
+# A verdict waits this long at most for the history to store it before the ranks get it.
+# What it waits for is the verdict's gate (state/history.py: 1-2 ms at 16,384 ranks); the
+# fallback stays because the wait is on a disk and another process's lock: a locked, full
+# or hung history file must not hold a job back longer than this.
 RECORD_WAIT_S = 1.0
 
 

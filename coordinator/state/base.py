@@ -107,8 +107,10 @@ class VerdictRow:
     report: str
     world_size: int
     decided_at: float
-    members: dict[int, str]
-    verdict: Verdict | None = None  # written; listings leave it out
+    # Written with the verdict (rank -> incarnation, for replay); a listing leaves both out,
+    # a single row read (get) leaves out the verdict.
+    members: dict[int, str] = field(default_factory=dict)
+    verdict: Verdict | None = None
 
     @classmethod
     def of(cls, verdict: Verdict, members: dict[int, str]) -> VerdictRow:

@@ -1,13 +1,20 @@
-"""Verdict history in SQLite (WAL): every verdict and its full report, kept across restarts."""
+"""Verdict history in SQLite (WAL): every verdict and its full report, kept across restarts.
+
+A verdict is written twice. First its gate: its row in `gates`, a table of a few rows, with
+the verdict as every rank received it and who received it (records.members_to_text), all
+that replay and listings read; delivery waits for this write only. Then, after delivery, the
+row moves to `verdicts`, where 30 days of them and their indexes live, inside SQLite (nothing
+encoded again). A coordinator killed between the two leaves a gate, which replays and lists
+as it is and is filed by the next coordinator that opens the file."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,7 +23,13 @@ import structlog
 from coordinator.contract.errors import Unavailable
 from coordinator.decision.verdict import Verdict
 from coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
-from coordinator.state.records import verdict_from_json, verdict_to_json
+from coordinator.state.records import (
+    members_from_text,
+    members_to_text,
+    received,
+    verdict_from_json,
+    verdict_to_json,
+)
 
 log = structlog.get_logger("cohortgate")
 _T = TypeVar("_T")
@@ -32,19 +45,32 @@ CREATE TABLE IF NOT EXISTS verdicts (
     report       TEXT NOT NULL,
     world_size   INTEGER NOT NULL,
     decided_at   REAL NOT NULL,
-    members      TEXT NOT NULL, -- JSON {rank: incarnation}, to replay a verdict after restart
+    members      TEXT NOT NULL, -- who received it (records.members_to_text; JSON before 0.3)
     verdict      BLOB,          -- before 0.2: the wire Verdict (no longer written or read)
     record       TEXT           -- JSON of the domain verdict every rank received
 );
 CREATE INDEX IF NOT EXISTS verdicts_job_round ON verdicts (job_id, round);
 CREATE INDEX IF NOT EXISTS verdicts_decided_at ON verdicts (decided_at);
+CREATE TABLE IF NOT EXISTS gates (  -- verdicts stored, and sent, but not yet filed
+    cohort_id    TEXT PRIMARY KEY,
+    job_id       TEXT NOT NULL,
+    round        INTEGER NOT NULL,
+    outcome      TEXT NOT NULL,
+    cause        TEXT NOT NULL,
+    reason       TEXT NOT NULL,
+    report       TEXT NOT NULL,
+    world_size   INTEGER NOT NULL,
+    decided_at   REAL NOT NULL,
+    members      TEXT NOT NULL,
+    record       TEXT
+);
 """
 
 
-# What a listing reads: everything but the verdict itself (decoded only to replay it).
-_COLUMNS = (
-    "cohort_id, job_id, round, outcome, cause, reason, report, world_size, decided_at, members"
-)
+# What a listing reads: neither the verdict itself nor who received it (read to replay).
+_COLUMNS = "cohort_id, job_id, round, outcome, cause, reason, report, world_size, decided_at"
+# What a gate holds, and moves to `verdicts`.
+_ROW = _COLUMNS + ", members, record"
 
 
 def _migrate(db: sqlite3.Connection) -> None:
@@ -55,14 +81,23 @@ def _migrate(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE verdicts ADD COLUMN {column} {kind}")
 
 
-def _insert(db: sqlite3.Connection, rows: list[VerdictRow]) -> None:
-    """One transaction for the batch."""
+def _transaction(db: sqlite3.Connection, write: Callable[[], object]) -> None:
     db.execute("BEGIN IMMEDIATE")
     try:
-        db.executemany(
-            "INSERT OR REPLACE INTO verdicts (cohort_id, job_id, round, outcome, cause, reason, "
-            "report, world_size, decided_at, members, record) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        write()
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+
+
+def _gate(db: sqlite3.Connection, rows: list[VerdictRow]) -> None:
+    """Write 1, which delivery waits for; one transaction for the batch."""
+    _transaction(
+        db,
+        lambda: db.executemany(
+            f"INSERT OR REPLACE INTO gates ({_ROW}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     row.cohort_id,
@@ -74,17 +109,32 @@ def _insert(db: sqlite3.Connection, rows: list[VerdictRow]) -> None:
                     row.report,
                     row.world_size,
                     row.decided_at,
-                    json.dumps({str(k): v for k, v in row.members.items()}),
+                    members_to_text(row.members),
                     None if row.verdict is None else verdict_to_json(row.verdict),
                 )
                 for row in rows
             ],
+        ),
+    )
+
+
+def _file(db: sqlite3.Connection, cohort_ids: list[str] | None = None) -> None:
+    """Write 2, after delivery: gates move to `verdicts` (None: every gate there is)."""
+
+    def write() -> None:
+        if cohort_ids is None:
+            db.execute(f"INSERT OR REPLACE INTO verdicts ({_ROW}) SELECT {_ROW} FROM gates")
+            db.execute("DELETE FROM gates")
+            return
+        keys = [(c,) for c in cohort_ids]
+        db.executemany(
+            f"INSERT OR REPLACE INTO verdicts ({_ROW}) SELECT {_ROW} FROM gates "
+            "WHERE cohort_id = ?",
+            keys,
         )
-        db.execute("COMMIT")
-    except BaseException:
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        raise
+        db.executemany("DELETE FROM gates WHERE cohort_id = ?", keys)
+
+    _transaction(db, write)
 
 
 class _Writer(threading.Thread):
@@ -103,6 +153,7 @@ class _Writer(threading.Thread):
         self.failed = failed
         self.cond = threading.Condition()
         self.pending: deque[tuple[VerdictRow, Callable[[], None] | None]] = deque()
+        self.filing: deque[str] = deque()  # cohort ids gated (and sent), not yet filed
         self.dropped = 0
         self.error = ""
         self.closing = False
@@ -124,16 +175,23 @@ class _Writer(threading.Thread):
         backoff = 0.0
         while True:
             with self.cond:
-                while not self.pending and not self.closing:
+                while not self.pending and not self.filing and not self.closing:
                     self.cond.wait()
-                if not self.pending:
+                if not self.pending and not self.filing:
                     return
-                batch = list(self.pending)
+                gates, filing = list(self.pending), list(self.filing)
                 self.busy = True
             try:
                 if self.db is None:
                     self.db = self.connect()
-                _insert(self.db, [row for row, _ in batch])
+                if gates:
+                    _gate(self.db, [row for row, _ in gates])
+                    self._gated(gates)
+                if filing:  # gated by an earlier turn of this loop: their ranks have them
+                    _file(self.db, filing)
+                    with self.cond:
+                        for _ in filing:
+                            self.filing.popleft()
             except sqlite3.Error as exc:
                 self.error = str(exc)
                 self.failed("write", exc)
@@ -148,18 +206,25 @@ class _Writer(threading.Thread):
             backoff = 0.0
             self.error = ""
             with self.cond:
-                for _ in batch:
-                    self.pending.popleft()
                 self.busy = False
                 self.cond.notify_all()
-            for _, written in batch:
-                if written is not None:
-                    written()
+
+    def _gated(self, batch: list[tuple[VerdictRow, Callable[[], None] | None]]) -> None:
+        """The batch's gates are stored: their verdicts may go out; their rows are next."""
+        with self.cond:
+            for row, _ in batch:
+                self.pending.popleft()
+                if len(self.filing) >= SPOOL_MAX:  # its gate stays: the next open files it
+                    self.filing.popleft()
+                self.filing.append(row.cohort_id)
+        for _, written in batch:
+            if written is not None:
+                written()
 
     def flush(self, timeout: float) -> bool:
         give_up = time.monotonic() + timeout
         with self.cond:
-            while self.pending or self.busy:
+            while self.pending or self.filing or self.busy:
                 left = give_up - time.monotonic()
                 if left <= 0 or (self.error and not self.busy):
                     return False
@@ -172,6 +237,12 @@ class _Writer(threading.Thread):
             self.closing = True
             self.cond.notify_all()
         self.join(timeout=5.0)
+        if self.filing:
+            log.warning(
+                "verdict rows not filed; their gates replay them and the next start files them",
+                count=len(self.filing),
+                error=self.error,
+            )
         if self.pending:
             log.error(
                 "verdicts not written to the history",
@@ -205,6 +276,7 @@ class History(VerdictStore):
         self.retention_s = retention_days * 86400
         self.listeners: list[ErrorListener] = []
         self._writer: _Writer | None = None
+        self._gated: bool | None = None  # does the file have gates? (see _stored)
         try:
             if readonly:  # `cohortgate explain --history`: read a file, change nothing
                 self.db = self._open_readonly()
@@ -250,6 +322,18 @@ class History(VerdictStore):
         db.execute("SELECT COUNT(*) FROM verdicts").fetchone()  # not a database: fails here
         return db
 
+    def _stored(self) -> str:
+        """What reads read: the filed rows and the gates (a file of a coordinator before 0.3,
+        read-only, has no gates)."""
+        if self._gated is None:
+            found = self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'gates'"
+            ).fetchone()
+            self._gated = found is not None
+        if not self._gated:
+            return "verdicts"
+        return f"(SELECT {_ROW} FROM verdicts UNION ALL SELECT {_ROW} FROM gates)"
+
     def _open(self, busy_s: float) -> sqlite3.Connection:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -260,7 +344,15 @@ class History(VerdictStore):
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
         _migrate(db)
-        db.execute("DELETE FROM verdicts WHERE decided_at < ?", (time.time() - self.retention_s,))
+        try:  # what a coordinator killed between its two writes left
+            _file(db)
+        except sqlite3.Error as exc:  # they still replay and list from their gates
+            log.warning(
+                "gated verdicts could not be filed; retried at the next start", error=str(exc)
+            )
+        cutoff = time.time() - self.retention_s
+        db.execute("DELETE FROM verdicts WHERE decided_at < ?", (cutoff,))
+        db.execute("DELETE FROM gates WHERE decided_at < ?", (cutoff,))
         return db
 
     def _failed(self, op: str, exc: Exception) -> None:
@@ -332,18 +424,20 @@ class History(VerdictStore):
     def _get(self, job_id: str, round_: int) -> VerdictRow | None:
         if round_:
             cur = self.db.execute(
-                f"SELECT {_COLUMNS} FROM verdicts WHERE job_id = ? AND round = ? "
-                "ORDER BY decided_at DESC LIMIT 1",
+                f"SELECT {_COLUMNS}, members FROM {self._stored()} WHERE job_id = ? "
+                "AND round = ? ORDER BY decided_at DESC LIMIT 1",
                 (job_id, round_),
             )
         else:
             cur = self.db.execute(
-                f"SELECT {_COLUMNS} FROM verdicts WHERE job_id = ? "
+                f"SELECT {_COLUMNS}, members FROM {self._stored()} WHERE job_id = ? "
                 "ORDER BY round DESC, decided_at DESC LIMIT 1",
                 (job_id,),
             )
         found = cur.fetchone()
-        return None if found is None else _row(found)
+        if found is None:
+            return None
+        return replace(_row(found), members=members_from_text(str(found[9])))
 
     def recent(self, limit: int = 20, job_id: str = "") -> list[VerdictRow]:
         return self._listing(lambda: self._recent(limit, job_id))
@@ -351,13 +445,14 @@ class History(VerdictStore):
     def _recent(self, limit: int, job_id: str) -> list[VerdictRow]:
         if job_id:
             cur = self.db.execute(
-                f"SELECT {_COLUMNS} FROM verdicts WHERE job_id = ? "
+                f"SELECT {_COLUMNS} FROM {self._stored()} WHERE job_id = ? "
                 "ORDER BY decided_at DESC LIMIT ?",
                 (job_id, limit),
             )
         else:
             cur = self.db.execute(
-                f"SELECT {_COLUMNS} FROM verdicts ORDER BY decided_at DESC LIMIT ?", (limit,)
+                f"SELECT {_COLUMNS} FROM {self._stored()} ORDER BY decided_at DESC LIMIT ?",
+                (limit,),
             )
         return [_row(r) for r in cur.fetchall()]
 
@@ -369,11 +464,12 @@ class History(VerdictStore):
 
     def _verdict_of(self, job_id: str, incarnation: str, rounds: int) -> Verdict | None:
         cur = self.db.execute(
-            "SELECT members, record FROM verdicts WHERE job_id = ? ORDER BY round DESC LIMIT ?",
+            f"SELECT members, record FROM {self._stored()} WHERE job_id = ? "
+            "ORDER BY round DESC LIMIT ?",
             (job_id, rounds),
         )
         for members, record in cur.fetchall():
-            if record and incarnation in json.loads(members).values():
+            if record and received(members, incarnation):
                 return verdict_from_json(record)
         return None
 
@@ -381,14 +477,13 @@ class History(VerdictStore):
         """The job's last recorded round (0: none, or the file is unreadable now)."""
 
         def read() -> int:
-            query = "SELECT MAX(round) FROM verdicts WHERE job_id = ?"
+            query = f"SELECT MAX(round) FROM {self._stored()} WHERE job_id = ?"
             return int(self.db.execute(query, (job_id,)).fetchone()[0] or 0)
 
         return self._read("read", read, 0)
 
 
 def _row(r: tuple[object, ...]) -> VerdictRow:
-    members = json.loads(str(r[9]))
     return VerdictRow(
         cohort_id=str(r[0]),
         job_id=str(r[1]),
@@ -399,5 +494,4 @@ def _row(r: tuple[object, ...]) -> VerdictRow:
         report=str(r[6]),
         world_size=int(str(r[7])),
         decided_at=float(str(r[8])),
-        members={int(k): str(v) for k, v in members.items()},
     )
