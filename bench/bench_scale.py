@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,84 @@ def _join_request(job: str, r: int, world: int, m: Any) -> Any:
     return join_request(job, r, world, m, host=f"node{r // 8}", pid=r, quiet=r != 0)
 
 
+class _Clients:
+    """One client process's simulated ranks or relays (see _client_proc)."""
+
+    def __init__(self, job: str, world: int, entries: int, signatures: int, rpc: str) -> None:
+        self.job, self.world, self.signatures, self.rpc = job, world, signatures, rpc
+        self.manifests = {v: manifest_for(entries, v) for v in range(signatures)}
+        self.stats: dict[str, Any] = {"sent": [], "verdict": [], "bytes": 0, "uploads": 0}
+        self.stats["outcomes"] = {}
+        self.uploads: list[asyncio.Future[None]] = []
+
+    def manifest(self, rank: int) -> Any:
+        return self.manifests[rank * self.signatures // self.world]
+
+    async def member(self, stub: Any, ranks: list[int], relay: bool) -> None:
+        """One rank's Join (no relay), or a relay's group of `ranks`, until the verdict."""
+        from coordinator.api.v1 import cohort_pb2 as pb
+
+        reqs = {r: _join_request(self.job, r, self.world, self.manifest(r)) for r in ranks}
+        stats = self.stats
+        stats["sent"].append(time.time())
+        async for event in self._events(stub, reqs, relay):
+            stats["bytes"] += event.ByteSize()
+            kind = event.WhichOneof("event")
+            if kind == "manifest_request":
+                self.uploads.append(asyncio.ensure_future(self._upload(stub, reqs, event)))
+            elif kind == "verdict":
+                stats["verdict"].append(time.time())
+                stats["decided"] = event.verdict.decided_at_unix
+                name = pb.Verdict.Outcome.Name(event.verdict.outcome)
+                stats["outcomes"][name] = stats["outcomes"].get(name, 0) + len(ranks)
+        await asyncio.gather(*self.uploads)
+
+    def _events(self, stub: Any, reqs: dict[int, Any], relay: bool) -> AsyncIterator[Any]:
+        from coordinator.api.v1 import cohort_pb2 as pb
+
+        if len(reqs) == 1 and not relay:
+            (request,) = reqs.values()
+            self.stats["bytes"] += request.ByteSize()
+            return stub.Join(request, timeout=600)  # type: ignore[no-any-return]
+        if self.rpc == "poll":
+            return self._polled(stub, reqs)
+        group = pb.JoinGroupRequest(members=list(reqs.values()))
+        self.stats["bytes"] += group.ByteSize()
+        return stub.JoinGroup(group, timeout=600)  # type: ignore[no-any-return]
+
+    async def _polled(self, stub: Any, reqs: dict[int, Any]) -> AsyncIterator[Any]:
+        """As `cohortgate relay` joins upstream: JoinPoll until the verdict, the round
+        pinned from progress, an ask's upload beside the next poll."""
+        from coordinator.api.v1 import cohort_pb2 as pb
+
+        while True:
+            group = pb.JoinGroupRequest(members=list(reqs.values()))
+            self.stats["bytes"] += group.ByteSize()
+            event = await stub.JoinPoll(group, timeout=600)
+            yield event
+            kind = event.WhichOneof("event")
+            if kind == "verdict":
+                return
+            if kind == "progress":
+                for q in reqs.values():
+                    q.round = event.progress.round
+
+    async def _upload(self, stub: Any, reqs: dict[int, Any], event: Any) -> None:
+        from coordinator.codec import wire
+
+        r = event.manifest_request.rank
+        up = wire.manifest_answer(reqs[r], event.manifest_request.round, self.manifest(r))
+        self.stats["bytes"] += up.ByteSize()
+        self.stats["uploads"] += 1
+        await stub.UploadManifestChunks(wire.upload_chunks(up), timeout=60)
+
+
 def _client_proc(
     addr: str,
     job: str,
     groups: list[tuple[int, list[int]]],
     relay: bool,
+    rpc: str,
     world: int,
     entries: int,
     signatures: int,
@@ -97,13 +171,11 @@ def _client_proc(
 ) -> None:
     import grpc
 
-    from coordinator.api.v1 import cohort_pb2 as pb
     from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-    from coordinator.codec import wire
 
-    manifests = {v: manifest_for(entries, v) for v in range(signatures)}
+    clients = _Clients(job, world, entries, signatures, rpc)
 
-    async def main() -> dict[str, Any]:
+    async def main() -> None:
         # Separate connections (a local subchannel pool each): grpc otherwise shares one TCP
         # connection among all channels to the same target.
         channels = [
@@ -111,49 +183,19 @@ def _client_proc(
             for _ in range(max(4, len(groups) // 64))
         ]
         stubs = [pb_grpc.CohortServiceStub(c) for c in channels]
-        stats: dict[str, Any] = {"sent": [], "verdict": [], "bytes": 0, "uploads": 0}
-        stats["outcomes"] = {}
-
-        async def member(g: int, ranks: list[int]) -> None:
-            stub = stubs[g % len(stubs)]
-            reqs = {
-                r: _join_request(job, r, world, manifests[r * signatures // world]) for r in ranks
-            }
-            if len(ranks) == 1 and not relay:
-                call = stub.Join(reqs[ranks[0]], timeout=600)
-                stats["bytes"] += reqs[ranks[0]].ByteSize()
-            else:
-                group = pb.JoinGroupRequest(members=list(reqs.values()))
-                call = stub.JoinGroup(group, timeout=600)
-                stats["bytes"] += group.ByteSize()
-            stats["sent"].append(time.time())
-            async for event in call:
-                stats["bytes"] += event.ByteSize()
-                kind = event.WhichOneof("event")
-                if kind == "manifest_request":
-                    r = event.manifest_request.rank
-                    m = manifests[r * signatures // world]
-                    up = wire.manifest_answer(reqs[r], event.manifest_request.round, m)
-                    stats["bytes"] += up.ByteSize()
-                    stats["uploads"] += 1
-                    await stub.UploadManifestChunks(wire.upload_chunks(up), timeout=60)
-                elif kind == "verdict":
-                    stats["verdict"].append(time.time())
-                    stats["decided"] = event.verdict.decided_at_unix
-                    name = pb.Verdict.Outcome.Name(event.verdict.outcome)
-                    stats["outcomes"][name] = stats["outcomes"].get(name, 0) + len(ranks)
-
         for c in channels:
             await c.channel_ready()
         ready.put(os.getpid())
         while not go.is_set():  # every process connected before the first join
             await asyncio.sleep(0.001)
-        await asyncio.gather(*(member(g, ranks) for g, ranks in groups))
+        await asyncio.gather(
+            *(clients.member(stubs[g % len(stubs)], ranks, relay) for g, ranks in groups)
+        )
         for c in channels:
             await c.close()
-        return stats
 
-    stats = asyncio.run(main())
+    asyncio.run(main())
+    stats = clients.stats
     out.put(
         {
             "first_sent": min(stats["sent"]),
@@ -188,9 +230,11 @@ def _groups(n: int, size: int, procs: int) -> list[list[tuple[int, list[int]]]]:
 FLOOR = [sys.executable, str(REPO / "bench" / "floor_server.py")]
 
 
-def run_floor(n: int, procs: int, entries: int, relay: int = 1) -> dict[str, Any]:
+def run_floor(
+    n: int, procs: int, entries: int, relay: int = 1, rpc: str = "poll"
+) -> dict[str, Any]:
     """The same clients against the floor of our stack (bench/floor_server.py)."""
-    return run_cohortgate(n, procs, entries, 1, relay, floor=True)
+    return run_cohortgate(n, procs, entries, 1, relay, floor=True, rpc=rpc)
 
 
 def run_cohortgate(
@@ -202,6 +246,7 @@ def run_cohortgate(
     bare: bool = False,
     *,
     floor: bool = False,
+    rpc: str = "poll",
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         # Production settings: history (SQLite) and metrics on, info logs (to /dev/null);
@@ -229,7 +274,7 @@ def run_cohortgate(
             results = _workers(
                 _client_proc,
                 [
-                    (addr, f"bench-{n}", s, relay > 1, n, entries, signatures)
+                    (addr, f"bench-{n}", s, relay > 1, rpc, n, entries, signatures)
                     for s in _groups(n, relay, procs)
                 ],
             )
@@ -628,6 +673,13 @@ def main() -> int:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--rpc",
+        choices=("poll", "stream"),
+        default="poll",
+        help="how the simulated relays join, for cohortgate and the floor alike: JoinPoll "
+        "(what `cohortgate relay` does) or a JoinGroup stream (relays of 0.2)",
+    )
+    parser.add_argument(
         "--bare",
         action="store_true",
         help="also run the coordinator without history, metrics and info logs (their cost)",
@@ -655,14 +707,18 @@ def main() -> int:
         runs.update({p: [] for p in peers})
         for _ in range(args.repeats):  # interleaved, so drift hits every system alike
             runs["cohortgate"].append(
-                run_cohortgate(n, args.procs, args.entries, args.signatures, args.relay)
+                run_cohortgate(
+                    n, args.procs, args.entries, args.signatures, args.relay, rpc=args.rpc
+                )
             )
             if args.bare:
                 runs.setdefault("bare", []).append(
-                    run_cohortgate(n, args.procs, args.entries, args.signatures, args.relay, True)
+                    run_cohortgate(
+                        n, args.procs, args.entries, args.signatures, args.relay, True, rpc=args.rpc
+                    )
                 )
             if "floor" in peers:
-                runs["floor"].append(run_floor(n, args.procs, args.entries, args.relay))
+                runs["floor"].append(run_floor(n, args.procs, args.entries, args.relay, args.rpc))
             if "tcpstore" in peers:
                 runs["tcpstore"].append(run_tcpstore(n, args.procs, args.relay))
             if "lighthouse" in peers:

@@ -1,9 +1,9 @@
 """The floor of cohortgate's own stack, for bench_scale.py --peers floor: a minimal grpc.aio
 server on cohortgate's generated stubs and the same asyncio event loop, with the RPC shape
-cohortgate ships (`Join` / `JoinGroup`, server streaming): it counts each job's ranks and,
-once all have joined, sends every call one FORMED `Verdict`. No validation, no checks, no
-history, no metrics, no logs, no progress, no manifest asks: what is left of a formation
-when everything cohortgate adds is taken away.
+cohortgate ships (`Join` / `JoinGroup`, server streaming, and `JoinPoll`, unary): it counts
+each job's ranks and, once all have joined, answers every call with one FORMED `Verdict`.
+No validation, no checks, no history, no metrics, no logs, no progress, no manifest asks:
+what is left of a formation when everything cohortgate adds is taken away.
 
 Usage: python bench/floor_server.py --port-file PATH   (writes the port, as `serve` does)
 """
@@ -59,6 +59,12 @@ class Floor(pb_grpc.CohortServiceServicer):
     ) -> AsyncIterator[pb.JoinEvent]:
         first = request.members[0]
         yield await self._verdict(first.job_id, first.world_size, len(request.members))
+
+    async def JoinPoll(  # type: ignore[override]
+        self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinEvent:
+        first = request.members[0]
+        return await self._verdict(first.job_id, first.world_size, len(request.members))
 
 
 async def serve(port_file: Path) -> None:

@@ -367,6 +367,12 @@ def test_relays_of_relays_join_a_rack_as_one_call(rack: tuple[list[str], int, Pa
     report = verdict.refusal.report
     assert "1 rank [3]" in report and "bfloat16" in report, report
     assert joined_groups(log) == [4, 4, 4, 4, 4, 4, 4, 4], joined_groups(log)
+    # The rack relay polls the coordinator (JoinPoll); it takes its node relays' groups on
+    # JoinGroup streams, which they fall back to on its UNIMPLEMENTED (as against 0.2).
+    fallback = "the upstream has no JoinPoll"
+    assert fallback not in (log.parent / "rack.log").read_text()
+    for i in range(2):
+        assert fallback in (log.parent / f"node{i}.log").read_text()
     mixed = pb.JoinGroupRequest(members=[join_request("a", 0, 2, m), join_request("b", 1, 2, m)])
     with (
         grpc.insecure_channel(f"127.0.0.1:{rack_port}") as channel,

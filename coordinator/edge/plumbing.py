@@ -52,7 +52,7 @@ def _serializer(cls: Any) -> Callable[[Any], bytes]:
 RAW_REQUESTS = frozenset({"UploadManifest", "UploadDigests"})
 # The coordinator also takes joins as bytes: one with a 100k-piece layout is decoded and
 # validated off the loop (small ones, nearly all, inline).
-RAW_JOINS = RAW_REQUESTS | {"Join", "JoinGroup"}
+RAW_JOINS = RAW_REQUESTS | {"Join", "JoinGroup", "JoinPoll"}
 # A relay passes uploads' chunks upstream as they came, too.
 RAW_CHUNKS = RAW_REQUESTS | {"UploadManifestChunks", "UploadDigestsChunks"}
 

@@ -69,10 +69,11 @@ class _Group:
     metadata: Sequence[tuple[str, str]]
     ranks: dict[int, _Rank] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None
-    call: grpc.aio.UnaryStreamCall | None = None
+    call: grpc.aio.Call | None = None  # the upstream call in flight
     regroup: bool = False  # the upstream call was cancelled because a rank left
     decided: bool = False
     bytes: int = 0  # the JoinGroupRequest's size
+    lost: _Outage | None = None  # the upstream is gone, since
 
 
 class _Outage:
@@ -189,6 +190,7 @@ class Relay(pb_grpc.CohortServiceServicer):
             upstream, keepalive_client_options(rank_grace_s)
         )
         self.stub = pb_grpc.CohortServiceStub(self.channel)
+        self.polling = True  # until the upstream answers JoinPoll with UNIMPLEMENTED
         # Uploads (whole or in chunks) pass through as the bytes the rank sent (see
         # RAW_CHUNKS): never decoded.
         service = pb.DESCRIPTOR.services_by_name["CohortService"]
@@ -281,6 +283,17 @@ class Relay(pb_grpc.CohortServiceServicer):
         async for event in self._joined(members, context, relayed=True):
             yield event
 
+    async def JoinPoll(
+        self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinEvent:
+        """A coordinator's call: a relay below this one joins on a JoinGroup stream (it
+        falls back to one on this answer); the hop to the coordinator polls."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "a relay takes JoinGroup from the relays below it, not JoinPoll",
+        )
+        raise AssertionError("unreachable")  # abort raises
+
     # -- groups ------------------------------------------------------------------------
     def _send(self, group: _Group) -> None:
         if self._pending.get(group.key) is group:
@@ -308,25 +321,44 @@ class Relay(pb_grpc.CohortServiceServicer):
         group.regroup = True  # the others re-join without it
         group.call.cancel()
 
+    async def _upstream(
+        self, group: _Group, members: dict[int, _Rank]
+    ) -> AsyncIterator[pb.JoinEvent]:
+        """The group's events from upstream: by JoinPoll, a call per event (the cheaper
+        transport: see README, Performance), or on a JoinGroup stream where the coordinator
+        has no JoinPoll (before 0.3). Ends early when a rank left between two polls."""
+        while self.polling:
+            request = pb.JoinGroupRequest(members=[r.request for r in members.values()])
+            call = group.call = self.stub.JoinPoll(request, metadata=group.metadata)
+            try:
+                event = await call
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self.polling = False
+                log.info("the upstream has no JoinPoll (before 0.3): joining on a stream")
+                break
+            yield event
+            if event.WhichOneof("event") == "verdict" or group.regroup:
+                return
+        call = group.call = self.stub.JoinGroup(
+            pb.JoinGroupRequest(members=[r.request for r in members.values()]),
+            metadata=group.metadata,
+        )
+        async for event in call:
+            yield event
+
     async def _run(self, group: _Group) -> None:
-        lost: _Outage | None = None
         while group.ranks:
             group.regroup = False
             members = dict(group.ranks)
-            call = group.call = self.stub.JoinGroup(
-                pb.JoinGroupRequest(members=[r.request for r in members.values()]),
-                metadata=group.metadata,
-            )
             try:
-                async for event in call:
-                    if lost is not None:
-                        lost.over(group)
-                        lost = None
-                    self._dispatch(event, members)
-                    if event.WhichOneof("event") == "verdict":
-                        group.decided = True
-                        self._sent.pop(group.key, None)  # the next round batches afresh
-                        return
+                if await self._relayed(group, members):
+                    return
+                if group.regroup:
+                    # A rank left between two polls: the next poll, without it, is its
+                    # leave upstream, at once (no round was abandoned: no pause).
+                    continue
                 status = _Status(
                     grpc.StatusCode.UNAVAILABLE,
                     f"the coordinator at {self.upstream} ended the group without a verdict",
@@ -341,13 +373,27 @@ class Relay(pb_grpc.CohortServiceServicer):
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     # The link or the coordinator went (a partition, a restart): the
                     # ranks stay held here and the group re-joins once it answers again.
-                    lost = lost or _Outage(self.upstream, group, exc.details() or "")
-                    await lost.wait(members, self._dispatch)
+                    if group.lost is None:
+                        group.lost = _Outage(self.upstream, group, exc.details() or "")
+                    await group.lost.wait(members, self._dispatch)
                     continue
                 status = _Status(exc.code(), exc.details() or "")
             for events in {id(r.events): r.events for r in members.values()}.values():
                 events.put_nowait(status)
             return
+
+    async def _relayed(self, group: _Group, members: dict[int, _Rank]) -> bool:
+        """The group's events to its ranks; True once the verdict went out."""
+        async for event in self._upstream(group, members):
+            if group.lost is not None:
+                group.lost.over(group)
+                group.lost = None
+            self._dispatch(event, members)
+            if event.WhichOneof("event") == "verdict":
+                group.decided = True
+                self._sent.pop(group.key, None)  # the next round batches afresh
+                return True
+        return False
 
     @staticmethod
     async def _regroup(group: _Group) -> None:

@@ -145,6 +145,33 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     ) -> AsyncIterator[pb.JoinEvent | bytes]:
         return self._join(context, "JoinGroup", data)
 
+    async def JoinPoll(  # type: ignore[override]  # bytes in (RAW_JOINS), pre-encoded out
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> pb.JoinEvent | bytes:
+        """JoinGroup as a long poll: the group's first event (see Admission.poll)."""
+        async with answering(self.coordinator, context, "JoinPoll"):
+            intents = await self._admitted(context, "JoinPoll", data)
+            event = await self.coordinator.poll(
+                intents,
+                alive=lambda: not context.done(),
+                on_gone=lambda wake: context.add_done_callback(lambda _: wake()),
+            )
+            return replies.event_to_pb(event)
+        raise AssertionError("unreachable")  # answering aborts the call
+
+    async def _admitted(
+        self, context: grpc.aio.ServicerContext, method: str, data: bytes
+    ) -> list[JoinIntent]:
+        """A join's intents, validated, with the call's log context, authorised."""
+        job_id, intents = await self._intents(method, data)
+        structlog.contextvars.bind_contextvars(job=job_id[:64])
+        if method == "Join":
+            structlog.contextvars.bind_contextvars(rank=intents[0].member.rank)
+        else:
+            structlog.contextvars.bind_contextvars(group=len(intents))
+        self.auth.check_job(_metadata(context), job_id)
+        return intents
+
     async def _intents(self, method: str, data: bytes) -> tuple[str, list[JoinIntent]]:
         decode = rpc.join_intents if method == "Join" else rpc.group_join_intents
         return await self._decoded(decode, data)
@@ -170,13 +197,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     ) -> AsyncIterator[pb.JoinEvent | bytes]:
         """One rank's join, or a relay's group: validation, auth, then the events."""
         async with answering(self.coordinator, context, method):
-            job_id, intents = await self._intents(method, data)
-            structlog.contextvars.bind_contextvars(job=job_id[:64])
-            if method == "Join":
-                structlog.contextvars.bind_contextvars(rank=intents[0].member.rank)
-            else:
-                structlog.contextvars.bind_contextvars(group=len(intents))
-            self.auth.check_job(_metadata(context), job_id)
+            intents = await self._admitted(context, method, data)
             events = self.coordinator.join_group(
                 intents,
                 alive=lambda: not context.done(),

@@ -4,7 +4,7 @@ something to say (progress, an upload ask, the verdict); a call that ends frees 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import structlog
 
@@ -26,6 +26,12 @@ log = structlog.get_logger("cohortgate")
 PROGRESS_EXACT_UP_TO = 1024
 
 Held = list[tuple[UploadRef, Member]]  # a call's members still waiting on it
+
+# A long poll's members stay held this long after an answer that is not the verdict, for
+# their next call (a relay calls again within milliseconds). No longer than a stream's
+# frozen peer is held: a relay frozen between two polls is dropped as soon as it would be
+# on a stream (keepalive, --rank-grace, 15 s by default).
+JOIN_POLL_LINGER_S = 5.0
 
 
 class Admission:
@@ -52,13 +58,35 @@ class Admission:
         self.progress_interval_s = progress_interval_s
         self._evaluate, self._recording, self._changed = evaluate, recording, changed
         self.closing = False
+        # Members of answered long polls, between two calls: by the event they wait on (one
+        # per answered call), and the event by member.
+        self._lingering: dict[asyncio.Event, Held] = {}
+        self._between: dict[UploadRef, asyncio.Event] = {}
+
+    async def poll(
+        self,
+        intents: list[JoinIntent],
+        alive: Callable[[], bool],
+        on_gone: Callable[[Callable[[], None]], None] | None,
+    ) -> JoinEvent:
+        """JoinPoll: the first event the group has to hear; its members stay held for the
+        next call unless it is the verdict."""
+        events = self.join_group(intents, alive, on_gone, poll=True)
+        try:
+            async for event in events:
+                return event
+        finally:
+            await events.aclose()
+        raise Unavailable("the call ended before it had an answer")
 
     async def join_group(
         self,
         intents: list[JoinIntent],
         alive: Callable[[], bool],
         on_gone: Callable[[Callable[[], None]], None] | None,
-    ) -> AsyncIterator[JoinEvent]:
+        *,
+        poll: bool = False,
+    ) -> AsyncGenerator[JoinEvent]:
         if self.closing:
             raise Unavailable("the coordinator is shutting down; retry against its successor")
         poke = asyncio.Event()
@@ -66,16 +94,25 @@ class Admission:
         if isinstance(admitted, Verdict):
             yield admitted
             return
+        if isinstance(admitted, LiveCohort):  # a decided round it took part in
+            await self._stored(admitted)
+            assert admitted.verdict is not None
+            yield admitted.verdict
+            return
         cohort, held = admitted
+        self._next_poll(cohort, held)
         try:
             if on_gone is not None:
                 on_gone(poke.set)
             self._evaluate(cohort)
             self._changed(cohort)
-            async for event in self._wait(cohort, held, poke, intents, alive):
+            async for event in self._wait(cohort, held, poke, intents, alive, poll):
                 yield event
         finally:
-            self._release(cohort, held, poke)
+            if poll and alive() and cohort.verdict is None:
+                self._linger(cohort, held, poke)  # answered: the next poll takes them
+            else:
+                self._release(cohort, held, poke)
 
     def _replayed_from_history(self, first: JoinIntent) -> Verdict | None:
         """After a restart (or once the job left memory): a rank of a decided cohort that
@@ -90,9 +127,9 @@ class Admission:
 
     def _admit(
         self, intents: list[JoinIntent], poke: asyncio.Event, alive: Callable[[], bool]
-    ) -> Verdict | tuple[LiveCohort, Held]:
+    ) -> LiveCohort | tuple[LiveCohort, Held]:
         """Every intent joins (or all are undone): the cohort and the members now waiting on
-        `poke`, or the verdict of a decided round the same incarnation took part in."""
+        `poke`, or the decided round the same incarnation took part in."""
         held: Held = []
         cohort: LiveCohort | None = None
         waiting = intruders = 0  # counted once for the call, not per rank
@@ -117,7 +154,7 @@ class Admission:
                         round=result.cohort.round,
                         rank=result.member.rank,
                     )
-                    return result.cohort.verdict
+                    return result.cohort
                 if cohort is not None and result.cohort is not cohort:
                     raise FailedPrecondition("the members of one group joined different rounds")
                 cohort, member = result.cohort, result.member
@@ -137,6 +174,8 @@ class Admission:
             raise
         assert cohort is not None
         self.observer.joined(waiting, opened, intruders)
+        if not (waiting or intruders):
+            return cohort, held  # the same members again (a long poll's next call)
         first = held[0][1]
         log.debug(
             "ranks joined",
@@ -171,14 +210,18 @@ class Admission:
         poke: asyncio.Event,
         intents: list[JoinIntent],
         alive: Callable[[], bool],
+        poll: bool,
     ) -> AsyncIterator[JoinEvent]:
-        """Progress, upload asks, then the verdict: woken by `poke` or the progress timer."""
-        told: set[tuple[UploadKind, int]] = set()
+        """Progress, upload asks, then the verdict: woken by `poke` or the progress timer.
+        A long poll's asks are told once per cohort and member, across its calls; a quiet
+        poll that names its round has had its progress event."""
+        told = self.book.of(cohort).polled if poll else set()
         asks_seen = -1  # Asks.made when this call last looked at its members' asks
         quiet = all(i.quiet for i in intents)
         # The first progress event waits one interval: a call that completes sooner gets
         # only its verdict (most calls of a job that forms at once).
-        last_progress, told_progress = self.clock(), False
+        last_progress = self.clock()
+        told_progress = poll and quiet and all(i.round for i in intents)
         while True:
             if cohort.verdict is not None:
                 if await self._recorded(cohort, poke, alive):
@@ -190,6 +233,7 @@ class Admission:
             if cohort.asks.made != asks_seen:
                 asks_seen = cohort.asks.made
                 for ask in _new_asks(cohort, held, told):
+                    told.add((ask.kind, ask.ref.rank))  # as it goes: a poll takes one
                     yield ask
             now = self.clock()
             if now - last_progress >= self.progress_interval_s and not (quiet and told_progress):
@@ -211,6 +255,13 @@ class Admission:
         if timer is not None:
             timer.cancel()
         poke.clear()
+
+    async def _stored(self, cohort: LiveCohort) -> None:
+        """A decided round's verdict, re-joined (a long poll's next call, a call cut and
+        made again) goes out only once stored, as it does to the calls that waited: for
+        RECORD_WAIT_S at most (a handful of milliseconds nearly always)."""
+        while self._recording(cohort) and not self.closing:
+            await asyncio.sleep(0.005)
 
     async def _recorded(
         self, cohort: LiveCohort, poke: asyncio.Event, alive: Callable[[], bool]
@@ -239,6 +290,44 @@ class Admission:
                 "the coordinator is shutting down; the agent will re-join its successor"
             )
         return True
+
+    def _linger(self, cohort: LiveCohort, held: Held, poke: asyncio.Event) -> None:
+        """A long poll answered: its members wait for the next call, on an event nobody
+        waits on, for JOIN_POLL_LINGER_S; those no call took by then leave."""
+        until = self.clock() + JOIN_POLL_LINGER_S
+        between = asyncio.Event()
+        still = [(ref, m) for ref, m in held if self.calls.release(ref, poke)]
+        for ref, _ in still:
+            self.calls.hold(ref, between, lambda: self.clock() < until)
+            self._between[ref] = between
+        if still:
+            self._lingering[between] = still
+            asyncio.get_running_loop().call_later(
+                JOIN_POLL_LINGER_S, self._lingered, cohort, between
+            )
+
+    def _lingered(self, cohort: LiveCohort, between: asyncio.Event) -> None:
+        """The linger is over: members no call took leave."""
+        self._end_linger(cohort, between)
+
+    def _next_poll(self, cohort: LiveCohort, held: Held) -> None:
+        """A call took members of an answered poll: that poll's members it did not take
+        have left (a relay polls again with the ranks it still has), now, not when the
+        linger ends, so a cohort never forms with them."""
+        if not self._between:
+            return
+        ended = {self._between.pop(ref) for ref, _ in held if ref in self._between}
+        for between in ended:
+            self._end_linger(cohort, between)
+
+    def _end_linger(self, cohort: LiveCohort, between: asyncio.Event) -> None:
+        rest = self._lingering.pop(between, None)
+        if rest is None:
+            return  # ended already
+        for ref, _ in rest:
+            if self._between.get(ref) is between:
+                del self._between[ref]
+        self._release(cohort, rest, between)  # those another call took stay
 
     def _release(self, cohort: LiveCohort, held: Held, poke: asyncio.Event) -> None:
         """A call ended: its members still waiting leave (unless another call took them)."""
@@ -312,6 +401,5 @@ def _new_asks(cohort: LiveCohort, held: Held, told: set[tuple[UploadKind, int]])
     for ref, m in held:
         for ask in cohort.asks.of(m):
             if (ask.kind, m.rank) not in told:
-                told.add((ask.kind, m.rank))
                 out.append(UploadAsk(ask.kind, ask.key, ref))
     return out

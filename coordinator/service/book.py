@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from coordinator.decision.cohort import UploadKind
 from coordinator.service.events import Progress
 from coordinator.state.asks import UploadRef
 from coordinator.state.base import LiveCohort
@@ -42,6 +43,8 @@ class Tracked:
     deciding: bool | None = None
     progress: tuple[float, int, Progress] | None = None  # (made at, state version, event)
     asks_poked: int = -1  # Asks.made when the ask holders' calls were last woken
+    # (kind, rank) of the upload asks long polls have passed on: told once, as on a stream
+    polled: set[tuple[UploadKind, int]] = field(default_factory=set)
     timers: dict[str, tuple[float, asyncio.TimerHandle]] = field(default_factory=dict)
 
     def cancel(self, *labels: str) -> None:

@@ -123,6 +123,15 @@ class Coordinator:
         progress event and one verdict for all of them. `join` is a group of one."""
         return self.admission.join_group(intents, alive, on_gone)
 
+    async def poll(
+        self,
+        intents: list[JoinIntent],
+        alive: Callable[[], bool] = lambda: True,
+        on_gone: Callable[[Callable[[], None]], None] | None = None,
+    ) -> JoinEvent:
+        """JoinPoll: join_group as one answer (see Admission.poll)."""
+        return await self.admission.poll(intents, alive, on_gone)
+
     def evaluate(self, cohort: LiveCohort) -> None:
         """Decide `cohort` again (after a change, or when its recheck time comes)."""
         self.decider.evaluate(cohort)

@@ -66,6 +66,11 @@ class CohortServiceStub:
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
                 _registered_method=True)
+        self.JoinPoll = channel.unary_unary(
+                '/cohortgate.v1.CohortService/JoinPoll',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+                _registered_method=True)
 
 
 class CohortServiceServicer:
@@ -121,6 +126,18 @@ class CohortServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinPoll(self, request, context):
+        """JoinGroup as a long poll: one request, one answer, the first thing the call has to
+        say (a progress event, an upload request, the verdict). After anything but the
+        verdict, call again with the same members (the round pinned from the progress): they
+        stay held for JOIN_POLL_LINGER_S (5 s) between calls. Upload requests are answered
+        once per member, as on the stream; a quiet group that named its round gets no
+        progress. A relay's call; a coordinator of 0.2 answers UNIMPLEMENTED (use JoinGroup).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CohortServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +170,11 @@ def add_CohortServiceServicer_to_server(servicer, server):
                     servicer.UploadDigestsChunks,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
+            ),
+            'JoinPoll': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinPoll,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +341,33 @@ class CohortService:
             '/cohortgate.v1.CohortService/UploadDigestsChunks',
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinPoll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.CohortService/JoinPoll',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,14 @@ class CohortServiceStub:
     arrives when it did not ask that rank or the size is over --max-upload-bytes.
     """
     UploadDigestsChunks: _grpc.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadDigestsResponse]
+    JoinPoll: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.JoinGroupRequest, _cohort_pb2.JoinEvent]
+    """JoinGroup as a long poll: one request, one answer, the first thing the call has to
+    say (a progress event, an upload request, the verdict). After anything but the
+    verdict, call again with the same members (the round pinned from the progress): they
+    stay held for JOIN_POLL_LINGER_S (5 s) between calls. Upload requests are answered
+    once per member, as on the stream; a quiet group that named its round gets no
+    progress. A relay's call; a coordinator of 0.2 answers UNIMPLEMENTED (use JoinGroup).
+    """
 
 @_typing.type_check_only
 class CohortServiceAsyncStub(CohortServiceStub):
@@ -85,6 +93,14 @@ class CohortServiceAsyncStub(CohortServiceStub):
     arrives when it did not ask that rank or the size is over --max-upload-bytes.
     """
     UploadDigestsChunks: _aio.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadDigestsResponse]  # type: ignore[assignment]
+    JoinPoll: _aio.UnaryUnaryMultiCallable[_cohort_pb2.JoinGroupRequest, _cohort_pb2.JoinEvent]  # type: ignore[assignment]
+    """JoinGroup as a long poll: one request, one answer, the first thing the call has to
+    say (a progress event, an upload request, the verdict). After anything but the
+    verdict, call again with the same members (the round pinned from the progress): they
+    stay held for JOIN_POLL_LINGER_S (5 s) between calls. Upload requests are answered
+    once per member, as on the stream; a quiet group that named its round gets no
+    progress. A relay's call; a coordinator of 0.2 answers UNIMPLEMENTED (use JoinGroup).
+    """
 
 class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
     """Ranks join here. One Join call per rank per round: the coordinator streams progress,
@@ -147,6 +163,20 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_cohort_pb2.UploadChunk],
         context: _ServicerContext,
     ) -> _typing.Union[_cohort_pb2.UploadDigestsResponse, _abc.Awaitable[_cohort_pb2.UploadDigestsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def JoinPoll(
+        self,
+        request: _cohort_pb2.JoinGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.JoinEvent, _abc.Awaitable[_cohort_pb2.JoinEvent]]:
+        """JoinGroup as a long poll: one request, one answer, the first thing the call has to
+        say (a progress event, an upload request, the verdict). After anything but the
+        verdict, call again with the same members (the round pinned from the progress): they
+        stay held for JOIN_POLL_LINGER_S (5 s) between calls. Upload requests are answered
+        once per member, as on the stream; a quiet group that named its round gets no
+        progress. A relay's call; a coordinator of 0.2 answers UNIMPLEMENTED (use JoinGroup).
+        """
 
 def add_CohortServiceServicer_to_server(servicer: CohortServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
