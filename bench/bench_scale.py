@@ -231,7 +231,7 @@ FLOOR = [sys.executable, str(REPO / "bench" / "floor_server.py")]
 
 
 def run_floor(
-    n: int, procs: int, entries: int, relay: int = 1, rpc: str = "poll"
+    n: int, procs: int, entries: int, relay: int = 1, rpc: str = "stream"
 ) -> dict[str, Any]:
     """The same clients against the floor of our stack (bench/floor_server.py)."""
     return run_cohortgate(n, procs, entries, 1, relay, floor=True, rpc=rpc)
@@ -246,7 +246,7 @@ def run_cohortgate(
     bare: bool = False,
     *,
     floor: bool = False,
-    rpc: str = "poll",
+    rpc: str = "stream",
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         # Production settings: history (SQLite) and metrics on, info logs (to /dev/null);
@@ -675,9 +675,9 @@ def main() -> int:
     parser.add_argument(
         "--rpc",
         choices=("poll", "stream"),
-        default="poll",
-        help="how the simulated relays join, for cohortgate and the floor alike: JoinPoll "
-        "(what `cohortgate relay` does) or a JoinGroup stream (relays of 0.2)",
+        default="stream",
+        help="how the simulated relays join, for cohortgate and the floor alike: a "
+        "JoinGroup stream (`cohortgate relay`'s default) or JoinPoll (--upstream-rpc poll)",
     )
     parser.add_argument(
         "--bare",

@@ -42,6 +42,8 @@ REFUSED = pb.Verdict.OUTCOME_REFUSED
 
 
 JOIN_DEADLINE = 20.0  # the conftest `coord` fixture's deadline
+# The rack's relays poll upstream (JoinPoll); the others keep the default, a stream.
+POLL = ("--upstream-rpc", "poll")
 
 
 @pytest.mark.slow
@@ -326,7 +328,7 @@ def rack(tmp_path: Path) -> Iterator[tuple[list[str], int, Path]]:
         try:
             rack, rack_port = spawn(
                 tmp_path / "rack-port",
-                ["--upstream", addr, "--local-ranks", "4", "--window", "20"],
+                ["--upstream", addr, "--local-ranks", "4", "--window", "20", *POLL],
                 stdout=open(tmp_path / "rack.log", "wb"),  # noqa: SIM115 (closed with it)
                 new_session=True,
                 command="relay",
@@ -336,7 +338,7 @@ def rack(tmp_path: Path) -> Iterator[tuple[list[str], int, Path]]:
             for i in range(2):
                 proc, port = spawn(
                     tmp_path / f"node{i}-port",
-                    ["--upstream", f"127.0.0.1:{rack_port}", "--local-ranks", "2"],
+                    ["--upstream", f"127.0.0.1:{rack_port}", "--local-ranks", "2", *POLL],
                     stdout=open(tmp_path / f"node{i}.log", "wb"),  # noqa: SIM115
                     new_session=True,
                     command="relay",

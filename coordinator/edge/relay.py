@@ -180,6 +180,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         local_ranks: int = 8,
         max_message_bytes: int = Limits.max_message_bytes,
         rank_grace_s: float = 15.0,
+        poll: bool = False,
     ) -> None:
         self.upstream = upstream
         # A group goes upstream as one message: it is cut before it grows past this.
@@ -190,7 +191,8 @@ class Relay(pb_grpc.CohortServiceServicer):
             upstream, keepalive_client_options(rank_grace_s)
         )
         self.stub = pb_grpc.CohortServiceStub(self.channel)
-        self.polling = True  # until the upstream answers JoinPoll with UNIMPLEMENTED
+        # JoinPoll upstream (--upstream-rpc poll), until the upstream answers UNIMPLEMENTED
+        self.polling = poll
         # Uploads (whole or in chunks) pass through as the bytes the rank sent (see
         # RAW_CHUNKS): never decoded.
         service = pb.DESCRIPTOR.services_by_name["CohortService"]
@@ -324,9 +326,10 @@ class Relay(pb_grpc.CohortServiceServicer):
     async def _upstream(
         self, group: _Group, members: dict[int, _Rank]
     ) -> AsyncIterator[pb.JoinEvent]:
-        """The group's events from upstream: by JoinPoll, a call per event (the cheaper
-        transport: see README, Performance), or on a JoinGroup stream where the coordinator
-        has no JoinPoll (before 0.3). Ends early when a rank left between two polls."""
+        """The group's events from upstream: on a JoinGroup stream (the default: cheaper
+        at scale, see README, Performance), or by JoinPoll, a call per event, falling back
+        to the stream where the upstream has none. Ends early when a rank left between two
+        polls."""
         while self.polling:
             request = pb.JoinGroupRequest(members=[r.request for r in members.values()])
             call = group.call = self.stub.JoinPoll(request, metadata=group.metadata)

@@ -31,6 +31,7 @@ async def serve_relay(
     port_file: str | None = None,
     max_message_bytes: int = Limits.max_message_bytes,
     rank_grace_s: float = 15.0,
+    poll: bool = False,
     tls: ServerTLS | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT."""
@@ -42,6 +43,7 @@ async def serve_relay(
         local_ranks=local_ranks,
         max_message_bytes=max_message_bytes,
         rank_grace_s=rank_grace_s,
+        poll=poll,
     )
     server = grpc.aio.server(
         options=[
