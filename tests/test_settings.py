@@ -279,6 +279,7 @@ RELAY_FLAGS = [
     "tls-client-ca",
     "tls-key",
     "upstream",
+    "upstream-rpc",
     "window",
 ]
 
