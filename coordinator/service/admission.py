@@ -95,9 +95,14 @@ class Admission:
             yield admitted
             return
         if isinstance(admitted, LiveCohort):  # a decided round it took part in
-            await self._stored(admitted)
-            assert admitted.verdict is not None
-            yield admitted.verdict
+            # Sent once stored, as to the calls that waited: woken with them by delivery.
+            self.calls.watch(admitted, poke, alive)
+            try:
+                if await self._recorded(admitted, poke, alive):
+                    assert admitted.verdict is not None
+                    yield admitted.verdict
+            finally:
+                self.calls.unwatch(admitted, poke)
             return
         cohort, held = admitted
         self._next_poll(cohort, held)
@@ -256,13 +261,6 @@ class Admission:
             timer.cancel()
         poke.clear()
 
-    async def _stored(self, cohort: LiveCohort) -> None:
-        """A decided round's verdict, re-joined (a long poll's next call, a call cut and
-        made again) goes out only once stored, as it does to the calls that waited: for
-        RECORD_WAIT_S at most (a handful of milliseconds nearly always)."""
-        while self._recording(cohort) and not self.closing:
-            await asyncio.sleep(0.005)
-
     async def _recorded(
         self, cohort: LiveCohort, poke: asyncio.Event, alive: Callable[[], bool]
     ) -> bool:
@@ -303,12 +301,8 @@ class Admission:
         if still:
             self._lingering[between] = still
             asyncio.get_running_loop().call_later(
-                JOIN_POLL_LINGER_S, self._lingered, cohort, between
+                JOIN_POLL_LINGER_S, self._end_linger, cohort, between
             )
-
-    def _lingered(self, cohort: LiveCohort, between: asyncio.Event) -> None:
-        """The linger is over: members no call took leave."""
-        self._end_linger(cohort, between)
 
     def _next_poll(self, cohort: LiveCohort, held: Held) -> None:
         """A call took members of an answered poll: that poll's members it did not take
@@ -321,6 +315,8 @@ class Admission:
             self._end_linger(cohort, between)
 
     def _end_linger(self, cohort: LiveCohort, between: asyncio.Event) -> None:
+        """The linger is over (its time, or a call took some of its members): members no
+        call took leave."""
         rest = self._lingering.pop(between, None)
         if rest is None:
             return  # ended already

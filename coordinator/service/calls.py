@@ -92,6 +92,20 @@ class Calls:
         for poke in self._cohorts.get(key_of(cohort), {}):
             poke.set()
 
+    def watch(self, cohort: LiveCohort, poke: asyncio.Event, alive: Alive) -> None:
+        """A call that holds none of `cohort`'s members (a re-join of its decided round,
+        waiting for the verdict to be stored) is woken with its calls."""
+        self._cohorts.setdefault(key_of(cohort), {}).setdefault(poke, _Call(0, alive))
+
+    def unwatch(self, cohort: LiveCohort, poke: asyncio.Event) -> None:
+        key = key_of(cohort)
+        calls = self._cohorts.get(key, {})
+        call = calls.get(poke)
+        if call is not None and call.members == 0:
+            del calls[poke]
+            if not calls:
+                del self._cohorts[key]
+
     def answers(self, cohort: LiveCohort, member: Member) -> bool:
         """Is `member`'s call still open (as far as grpc knows)?"""
         held = self._held.get(ref_of(cohort, member.rank, member.incarnation))
@@ -103,5 +117,7 @@ class Calls:
         return any(not call.alive() for call in calls.values())
 
     def wake_all(self) -> None:
-        for poke, _ in self._held.values():
-            poke.set()
+        """Every call, watching ones included (every held member's call is indexed)."""
+        for calls in self._cohorts.values():
+            for poke in calls:
+                poke.set()
