@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec import wire
 from coordinator.state.history import HistoryError
 from tests.helpers import (
     InProcessCoordinator,
@@ -123,9 +124,7 @@ def test_a_verdict_reaches_the_ranks_only_once_the_history_holds_it(tmp_path: Pa
         # Read at once (WAL: reads go on under the lock). A verdict sent before the commit
         # finds nothing stored, with the lock still held.
         with sqlite3.connect(path) as reader:
-            stored = reader.execute(
-                "SELECT COUNT(*) FROM verdicts WHERE job_id = 'stored-first'"
-            ).fetchone()[0]
+            stored = _stored_rows(reader, "stored-first")
         release.join()
         assert all(r.verdict is not None for r in results), [r.error for r in results]
         assert stored == 1, "the ranks got a verdict the history did not hold yet"
@@ -133,6 +132,15 @@ def test_a_verdict_reaches_the_ranks_only_once_the_history_holds_it(tmp_path: Pa
         release.cancel()
         locker.close()
         c.stop()
+
+
+def _stored_rows(db: sqlite3.Connection, job: str) -> int:
+    """The job's verdicts the file holds: its gates (what delivery waits for) and the rows
+    they become after delivery."""
+    return sum(
+        db.execute(f"SELECT COUNT(*) FROM {table} WHERE job_id = ?", (job,)).fetchone()[0]
+        for table in _TABLES
+    )
 
 
 def _namespaced(before: str, after: str) -> object:
@@ -255,3 +263,42 @@ def test_a_coordinator_killed_between_its_two_writes_replays_from_the_gate(
 
 
 _TABLES = ("gates", "verdicts")
+
+
+def test_a_poll_that_comes_back_to_its_decided_round_gets_the_verdict_once_stored(
+    tmp_path: Path,
+) -> None:
+    """A relay's next JoinPoll after its round was decided takes the decided round's path
+    (a re-join), not the waiting calls': it too is answered only once the history holds the
+    verdict. The file is locked as the cohort is decided."""
+    path = tmp_path / "history.sqlite"
+    c = InProcessCoordinator(history=str(path), join_deadline=30.0)
+    locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    # Under RECORD_WAIT_S (1 s): past it, a verdict goes out unstored.
+    release = threading.Timer(0.6, lambda: locker.execute("ROLLBACK"))
+    m = manifest_of()
+    members = [join_request("back", 0, 2, m)]
+    try:
+        with grpc.insecure_channel(c.addr) as channel, ThreadPoolExecutor(1) as pool:
+            stub = pb_grpc.CohortServiceStub(channel)
+            first = stub.JoinPoll(pb.JoinGroupRequest(members=members), timeout=30)
+            assert first.WhichOneof("event") == "manifest_request", first
+            stub.UploadManifest(wire.manifest_answer(members[0], first.manifest_request.round, m))
+            locker.execute("BEGIN EXCLUSIVE")
+            release.start()
+            other = pool.submit(run_rank, c.addr, join_request("back", 1, 2, m), m)
+            give_up = time.monotonic() + 10
+            while c.call(lambda: c.running.coordinator.summaries("back"))[-1].state == "waiting":
+                assert time.monotonic() < give_up, "never decided"
+                time.sleep(0.01)
+            assert release.is_alive(), "decided after the lock was released: no race left"
+            again = stub.JoinPoll(pb.JoinGroupRequest(members=members), timeout=30)
+            with contextlib.closing(sqlite3.connect(path)) as reader:
+                stored = _stored_rows(reader, "back")
+            assert again.verdict.outcome == pb.Verdict.OUTCOME_FORMED, again
+            assert stored == 1, "the poll got a verdict the history did not hold yet"
+            assert other.result(timeout=30).verdict == again.verdict
+    finally:
+        release.cancel()
+        locker.close()
+        c.stop()
