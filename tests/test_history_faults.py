@@ -99,6 +99,7 @@ def test_a_locked_history_changes_no_verdict_and_is_written_once_released(
         assert history is not None
         _wait_for(lambda: history.spooled == 0, "the spooled verdicts were never written", 40)
         _wait_for(lambda: _health(c.addr, "cohortgate.history") == 1, "health never recovered")
+        assert history.flush(10), "gated, but their rows were never filed"
         stored = locker.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0]
     finally:
         locker.close()
