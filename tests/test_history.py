@@ -18,7 +18,7 @@ from coordinator.decision.formation import FormationOptions, decide
 from coordinator.decision.report import build_verdict
 from coordinator.edge.replies import verdict_to_pb
 from coordinator.state.base import VerdictRow
-from coordinator.state.history import _SCHEMA, History
+from coordinator.state.history import History
 from coordinator.state.records import members_from_text, members_to_text, received, verdict_to_json
 
 
@@ -78,6 +78,19 @@ def test_a_refused_verdict_with_a_long_diff_replays_exactly(tmp_path: Path) -> N
     assert History(tmp_path / "h.sqlite").verdict_of("long-diff", "another") is None
 
 
+# What a coordinator of 0.2 wrote: members as a JSON object, no gates.
+SCHEMA_0_2 = """
+CREATE TABLE verdicts (
+    cohort_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, round INTEGER NOT NULL,
+    outcome TEXT NOT NULL, cause TEXT NOT NULL, reason TEXT NOT NULL, report TEXT NOT NULL,
+    world_size INTEGER NOT NULL, decided_at REAL NOT NULL, members TEXT NOT NULL,
+    verdict BLOB, record TEXT
+);
+CREATE INDEX verdicts_job_round ON verdicts (job_id, round);
+CREATE INDEX verdicts_decided_at ON verdicts (decided_at);
+"""
+
+
 def test_a_file_of_an_earlier_coordinator_replays_and_lists(tmp_path: Path) -> None:
     """Before 0.3 the members were a JSON object and there were no gates: such a file is
     read as it is, read-only and read-write, and new verdicts go beside its rows."""
@@ -86,7 +99,7 @@ def test_a_file_of_an_earlier_coordinator_replays_and_lists(tmp_path: Path) -> N
     verdict = build_verdict(state, decide(state, now, FormationOptions()), now, 600.0)
     path = tmp_path / "old.sqlite"
     with contextlib.closing(sqlite3.connect(path)) as db:
-        db.executescript(_SCHEMA.split("CREATE TABLE IF NOT EXISTS gates")[0])
+        db.executescript(SCHEMA_0_2)
         db.execute(
             "INSERT INTO verdicts (cohort_id, job_id, round, outcome, cause, reason, report, "
             "world_size, decided_at, members, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

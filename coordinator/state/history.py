@@ -34,8 +34,8 @@ from coordinator.state.records import (
 log = structlog.get_logger("cohortgate")
 _T = TypeVar("_T")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS verdicts (
+# A verdict's row, the same in `gates` and in `verdicts` (a gate moves there as it is).
+_ROW_COLUMNS = """
     cohort_id    TEXT PRIMARY KEY,
     job_id       TEXT NOT NULL,
     round        INTEGER NOT NULL,
@@ -46,23 +46,16 @@ CREATE TABLE IF NOT EXISTS verdicts (
     world_size   INTEGER NOT NULL,
     decided_at   REAL NOT NULL,
     members      TEXT NOT NULL, -- who received it (records.members_to_text; JSON before 0.3)
-    verdict      BLOB,          -- before 0.2: the wire Verdict (no longer written or read)
-    record       TEXT           -- JSON of the domain verdict every rank received
+    -- JSON of the domain verdict every rank received
+    record       TEXT"""
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS verdicts ({_ROW_COLUMNS},
+    verdict      BLOB           -- before 0.2: the wire Verdict (no longer written or read)
 );
 CREATE INDEX IF NOT EXISTS verdicts_job_round ON verdicts (job_id, round);
 CREATE INDEX IF NOT EXISTS verdicts_decided_at ON verdicts (decided_at);
-CREATE TABLE IF NOT EXISTS gates (  -- verdicts stored, and sent, but not yet filed
-    cohort_id    TEXT PRIMARY KEY,
-    job_id       TEXT NOT NULL,
-    round        INTEGER NOT NULL,
-    outcome      TEXT NOT NULL,
-    cause        TEXT NOT NULL,
-    reason       TEXT NOT NULL,
-    report       TEXT NOT NULL,
-    world_size   INTEGER NOT NULL,
-    decided_at   REAL NOT NULL,
-    members      TEXT NOT NULL,
-    record       TEXT
+-- verdicts stored, and sent, but not yet filed
+CREATE TABLE IF NOT EXISTS gates ({_ROW_COLUMNS}
 );
 """
 
@@ -276,14 +269,14 @@ class History(VerdictStore):
         self.retention_s = retention_days * 86400
         self.listeners: list[ErrorListener] = []
         self._writer: _Writer | None = None
-        self._gated: bool | None = None  # does the file have gates? (see _stored)
+        self._has_gates: bool | None = None  # (see _stored)
         try:
             if readonly:  # `cohortgate explain --history`: read a file, change nothing
                 self.db = self._open_readonly()
                 return
             first_error: sqlite3.OperationalError | None = None
             try:
-                writer_db: sqlite3.Connection | None = self._open(WRITE_BUSY_S)
+                writer_db: sqlite3.Connection | None = self._open_writer()
             except sqlite3.OperationalError as exc:
                 if self.path == ":memory:" or not Path(self.path).is_file():
                     raise
@@ -294,7 +287,7 @@ class History(VerdictStore):
             if writer_db is not None and self.path == ":memory:":
                 self.db = writer_db
             elif writer_db is not None:
-                self.db = self._open(READ_BUSY_S)
+                self.db = self._connect(READ_BUSY_S)
             else:
                 self.db = self._open_readonly()
         except sqlite3.Error as exc:
@@ -302,7 +295,7 @@ class History(VerdictStore):
                 f"--history {self.path}: cannot use the verdict history ({exc}); move the "
                 "file aside (a new one is created) or pass --history off"
             ) from None
-        self._writer = _Writer(writer_db, lambda: self._open(WRITE_BUSY_S), self._failed)
+        self._writer = _Writer(writer_db, self._open_writer, self._failed)
         if first_error is not None:
             self._writer.error = str(first_error)
             self._failed("open", first_error)
@@ -325,16 +318,16 @@ class History(VerdictStore):
     def _stored(self) -> str:
         """What reads read: the filed rows and the gates (a file of a coordinator before 0.3,
         read-only, has no gates)."""
-        if self._gated is None:
+        if self._has_gates is None:
             found = self.db.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'gates'"
             ).fetchone()
-            self._gated = found is not None
-        if not self._gated:
+            self._has_gates = found is not None
+        if not self._has_gates:
             return "verdicts"
         return f"(SELECT {_ROW} FROM verdicts UNION ALL SELECT {_ROW} FROM gates)"
 
-    def _open(self, busy_s: float) -> sqlite3.Connection:
+    def _connect(self, busy_s: float) -> sqlite3.Connection:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(
@@ -344,6 +337,12 @@ class History(VerdictStore):
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
         _migrate(db)
+        return db
+
+    def _open_writer(self) -> sqlite3.Connection:
+        """The writer's connection (at start, and again after a failed write), which also
+        files gates left behind and drops what is past the retention."""
+        db = self._connect(WRITE_BUSY_S)
         try:  # what a coordinator killed between its two writes left
             _file(db)
         except sqlite3.Error as exc:  # they still replay and list from their gates
