@@ -74,14 +74,18 @@ def wait_joined(addr: str, job: str, ranks: int, within: float = 20) -> None:
     status API). A test that needs one rank in before the next waits for it: a thread's
     first channel can take longer than a fixed sleep on a busy machine."""
     give_up = time.monotonic() + within
+    while joined(addr, job) < ranks:
+        assert time.monotonic() < give_up, f"{job}: {ranks} ranks never joined"
+        time.sleep(0.02)
+
+
+def joined(addr: str, job: str) -> int:
+    """How many ranks the coordinator at `addr` holds in `job`'s latest round now."""
     with grpc.insecure_channel(addr) as channel:
-        status = pb_grpc.StatusServiceStub(channel)
-        while True:
-            found = status.ListCohorts(pb.ListCohortsRequest(job_id=job), timeout=5).cohorts
-            if found and found[-1].joined >= ranks:
-                return
-            assert time.monotonic() < give_up, f"{job}: {ranks} ranks never joined"
-            time.sleep(0.02)
+        found = pb_grpc.StatusServiceStub(channel).ListCohorts(
+            pb.ListCohortsRequest(job_id=job), timeout=5
+        )
+    return found.cohorts[-1].joined if found.cohorts else 0
 
 
 def manifest_of(width: int = 4, dtype: str = "float32", extra: int = 0) -> Manifest:

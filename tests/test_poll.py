@@ -15,7 +15,14 @@ from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
 from coordinator.contract.manifest import Manifest
 from coordinator.service.admission import JOIN_POLL_LINGER_S
-from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_rank, wait_joined
+from tests.helpers import (
+    InProcessCoordinator,
+    join_request,
+    joined,
+    manifest_of,
+    run_rank,
+    wait_joined,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,11 +54,6 @@ def polls(
                 return answers
 
 
-def joined(coord: InProcessCoordinator, job: str) -> int:
-    found = coord.call(lambda: coord.running.coordinator.summaries(job))
-    return found[-1].joined if found and found[-1].state == "waiting" else 0
-
-
 def test_polls_form_a_cohort_with_a_streaming_rank_and_upload_once(
     coord: InProcessCoordinator,
 ) -> None:
@@ -81,8 +83,8 @@ def test_an_answered_poll_not_made_again_leaves_after_the_linger(
     (answer,) = polls(coord.addr, [join_request("gone", r, 3, m) for r in (0, 1)], m, again=False)
     assert answer.WhichOneof("event") in ("progress", "manifest_request")
     answered_at = time.monotonic()
-    assert joined(coord, "gone") == 2, "held between calls"
-    while joined(coord, "gone"):
+    assert joined(coord.addr, "gone") == 2, "held between calls"
+    while joined(coord.addr, "gone"):
         assert time.monotonic() - answered_at < JOIN_POLL_LINGER_S + 2, "never left"
         time.sleep(0.05)
     assert time.monotonic() - answered_at > JOIN_POLL_LINGER_S - 1, "left before the linger"
@@ -99,7 +101,7 @@ def test_a_poll_with_fewer_members_is_the_others_leave_at_once(
     with ThreadPoolExecutor(1) as pool:
         rest = pool.submit(polls, coord.addr, members[:1], m)
         give_up = time.monotonic() + 2
-        while joined(coord, "fewer") != 1:
+        while joined(coord.addr, "fewer") != 1:
             assert time.monotonic() < give_up, "rank 1 still held after the poll without it"
             time.sleep(0.02)
         late = [join_request("fewer", r, 3, m) for r in (1, 2)]

@@ -330,9 +330,12 @@ class Relay(pb_grpc.CohortServiceServicer):
         at scale, see README, Performance), or by JoinPoll, a call per event, falling back
         to the stream where the upstream has none. Ends early when a rank left between two
         polls."""
+
+        def request() -> pb.JoinGroupRequest:  # as they are now: the round pinned
+            return pb.JoinGroupRequest(members=[r.request for r in members.values()])
+
         while self.polling:
-            request = pb.JoinGroupRequest(members=[r.request for r in members.values()])
-            call = group.call = self.stub.JoinPoll(request, metadata=group.metadata)
+            call = group.call = self.stub.JoinPoll(request(), metadata=group.metadata)
             try:
                 event = await call
             except grpc.aio.AioRpcError as exc:
@@ -344,10 +347,7 @@ class Relay(pb_grpc.CohortServiceServicer):
             yield event
             if event.WhichOneof("event") == "verdict" or group.regroup:
                 return
-        call = group.call = self.stub.JoinGroup(
-            pb.JoinGroupRequest(members=[r.request for r in members.values()]),
-            metadata=group.metadata,
-        )
+        call = group.call = self.stub.JoinGroup(request(), metadata=group.metadata)
         async for event in call:
             yield event
 
