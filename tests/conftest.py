@@ -19,6 +19,7 @@ os.environ.setdefault("PYTHONPATH", str(REPO))
 # In-process coordinators log through structlog; keep only warnings in the test output
 # (tests that read logs run the coordinator as a subprocess with JSON logs).
 from coordinator.cli import logs  # noqa: E402
+from tests.etcd import EtcdServer, etcd_server  # noqa: E402
 from tests.helpers import InProcessCoordinator  # noqa: E402
 
 logs.configure("console", "warning")
@@ -93,3 +94,10 @@ def coord(request: pytest.FixtureRequest) -> Iterator[InProcessCoordinator]:
     )
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """The test session's etcd (each test takes a key prefix of its own: tests.etcd.prefix)."""
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as server:
+        yield server

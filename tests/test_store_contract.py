@@ -31,6 +31,7 @@ from coordinator.decision.cohort import Member, UploadKind
 from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import judge
 from coordinator.decision.verdict import Cause, Outcome, Verdict
+from coordinator.etcd.client import EtcdSettings, EtcdThread
 from coordinator.state.asks import UploadRef
 from coordinator.state.base import (
     CohortStore,
@@ -40,8 +41,11 @@ from coordinator.state.base import (
     VerdictRow,
     VerdictStore,
 )
+from coordinator.state.etcd_history import EtcdHistory
 from coordinator.state.history import History
 from coordinator.state.memory import MemoryStore
+from tests.etcd import EtcdServer
+from tests.etcd import prefix as etcd_prefix
 from tests.helpers import decide_in, manifest_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,8 +56,34 @@ M, WIDE = manifest_of(4), manifest_of(8)
 # A verdict backend: given the test's directory, a function that opens the store on the same
 # backing each time it is called (a second call: the store after a restart).
 VerdictOpener = Callable[[], VerdictStore]
-VERDICT_BACKENDS: dict[str, Callable[[Path], VerdictOpener]] = {
-    "sqlite": lambda tmp: functools.partial(History, tmp / "history.sqlite"),
+
+
+def _etcd_opener(tmp: Path, request: pytest.FixtureRequest) -> VerdictOpener:
+    """An EtcdHistory on the session's etcd, under a prefix of the test's own, writing as
+    the leader (a leader key this test created, its create revision the fencing token)."""
+    server: EtcdServer = request.getfixturevalue("etcd")
+    settings = EtcdSettings(server.endpoint, prefix=etcd_prefix())
+    threads: list[EtcdThread] = []
+    request.addfinalizer(lambda: [t.close() for t in threads])
+
+    def opener() -> VerdictStore:
+        thread = EtcdThread(settings)
+        threads.append(thread)
+        key = settings.key_prefix + b"leader"
+
+        async def lead() -> int:
+            await thread.client.put(key, b"{}")
+            return int((await thread.client.range(key)).kvs[0].create_revision)
+
+        token = thread.run(lead(), timeout=5)
+        return EtcdHistory(thread, token=lambda: token)
+
+    return opener
+
+
+VERDICT_BACKENDS: dict[str, Callable[[Path, pytest.FixtureRequest], VerdictOpener]] = {
+    "sqlite": lambda tmp, _: functools.partial(History, tmp / "history.sqlite"),
+    "etcd": _etcd_opener,
 }
 # A cohort backend: given a clock and the verdict store's last round, a store.
 COHORT_BACKENDS: dict[str, Callable[[Callable[[], float], Callable[[str], int]], CohortStore]] = {
@@ -64,9 +94,10 @@ COHORT_BACKENDS: dict[str, Callable[[Callable[[], float], Callable[[str], int]],
 @pytest.fixture(params=sorted(VERDICT_BACKENDS))
 def open_verdicts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[VerdictOpener]:
     opened: list[VerdictStore] = []
+    open_one = VERDICT_BACKENDS[request.param](tmp_path, request)
 
     def opener() -> VerdictStore:
-        store = VERDICT_BACKENDS[request.param](tmp_path)()
+        store = open_one()
         opened.append(store)
         return store
 

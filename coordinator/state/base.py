@@ -217,6 +217,13 @@ class VerdictStore(abc.ABC):
         """Why the store is degraded ("" when it is not)."""
 
     @property
+    def fenced(self) -> bool:
+        """True where a verdict must be stored before it is sent, with no fallback (etcd: a
+        replica whose write fails no longer leads). False: a degraded or slow store is a
+        record, not a gate (SQLite)."""
+        return False
+
+    @property
     @abc.abstractmethod
     def spooled(self) -> int:
         """Verdicts recorded but not yet stored."""

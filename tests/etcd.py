@@ -1,0 +1,112 @@
+"""A real etcd server for the tests: Debian's etcd-server (3.4), on free loopback ports with
+a temporary data directory, started per test session (or per test, for tests that kill
+it) and stopped after. `make system-deps` unpacks the package without its system service."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.helpers import free_port, kill_group, program
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1; `kill()` and `start()` again keep its ports and data."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data.with_suffix(".log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def start(self, wait: bool = True) -> EtcdServer:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        name = "cg-test"
+        command = [
+            program("etcd"),
+            "--name",
+            name,
+            "--data-dir",
+            str(self.data),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"{name}={peer}",
+            "--initial-cluster-state",
+            "new",
+            # no metrics or debug listeners of its own: loopback only, nothing else
+            "--log-level",
+            "warn",
+        ]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "ETCD_UNSUPPORTED_ARCH": os.uname().machine},
+            )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        import grpc
+
+        from coordinator.etcd import etcd_pb2 as epb
+        from coordinator.etcd import etcd_pb2_grpc as epb_grpc
+
+        give_up = time.monotonic() + timeout
+        with grpc.insecure_channel(f"127.0.0.1:{self.client_port}") as channel:
+            kv = epb_grpc.KVStub(channel)
+            while True:
+                try:
+                    kv.Range(epb.RangeRequest(key=b"ready?"), timeout=1.0)
+                    return
+                except grpc.RpcError:
+                    assert self.proc is not None
+                    if self.proc.poll() is not None or time.monotonic() > give_up:
+                        raise RuntimeError(f"etcd did not start: {self.log.read_text()}") from None
+                    time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
+            self.proc = None
+
+
+@contextlib.contextmanager
+def etcd_server(tmp: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp / f"etcd-{uuid.uuid4().hex[:6]}").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def prefix() -> str:
+    """A key prefix of its own for one test on the session's etcd."""
+    return f"/cg-test-{uuid.uuid4().hex[:8]}/"
