@@ -10,8 +10,8 @@ KV, lease and auth calls are a few dozen lines on stubs generated from etcd's ow
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -290,10 +290,8 @@ class EtcdThread:
     def close(self) -> None:
         if self.loop.is_closed():
             return
-        try:
+        with contextlib.suppress(Exception):  # closing: nothing is left to tell
             self.run(self.client.close(), timeout=2.0)
-        except Exception:
-            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=2.0)
 
