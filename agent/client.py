@@ -17,6 +17,7 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
 from coordinator.codec.channel import ClientSecurity
+from coordinator.codec.leader import Upstream
 from coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Manifest
@@ -129,76 +130,119 @@ def join(
         request.weights_digest = combine(zip(names, digests, strict=True))
         request.weights_digest_format = DIGEST_FORMAT_VERSION
     started = time.monotonic()
+    reach = _Reachability(identity, started + opts.timeout_s, opts)
+    security = ClientSecurity.from_env()
+    upstream = reach.upstream = Upstream(identity.addr)
+    channels: dict[str, grpc.Channel] = {}
+
+    def stub() -> pb_grpc.CohortServiceStub:
+        """The stub for the replica tried now (COHORTGATE_ADDR may list several)."""
+        addr = upstream.current
+        if addr not in channels:
+            channels[addr] = security.channel(addr, options=_channel_options(opts))
+        return pb_grpc.CohortServiceStub(channels[addr])
+
+    try:
+        return _join_loop(
+            stub,
+            request,
+            identity,
+            manifest,
+            opts,
+            on_progress,
+            security,
+            digests,
+            reach,
+            started,
+        )
+    finally:
+        for channel in channels.values():
+            channel.close()
+
+
+def _channel_options(opts: JoinOptions) -> list[tuple[str, int | str]]:
+    return [
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Reconnect on our own backoff's schedule, not grpc's (up to 120 s), so a
+        # coordinator that comes up is found within seconds.
+        ("grpc.initial_reconnect_backoff_ms", int(opts.backoff_initial_s * 1000)),
+        ("grpc.min_reconnect_backoff_ms", int(opts.backoff_initial_s * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(opts.backoff_max_s * 1000)),
+    ]
+
+
+def _join_loop(
+    stub: Callable[[], pb_grpc.CohortServiceStub],
+    request: pb.JoinRequest,
+    identity: RankIdentity,
+    manifest: Manifest,
+    opts: JoinOptions,
+    on_progress: Callable[[pb.Progress], None] | None,
+    security: ClientSecurity,
+    digests: Sequence[bytes] | None,
+    reach: _Reachability,
+    started: float,
+) -> pb.Verdict:
     give_up_at = started + opts.timeout_s
     delay = opts.backoff_initial_s
     last_error = ""
-    reach = _Reachability(identity, give_up_at, opts)
-    security = ClientSecurity.from_env()
-    with security.channel(
-        identity.addr,
-        options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            # Reconnect on our own backoff's schedule, not grpc's (up to 120 s), so a
-            # coordinator that comes up is found within seconds.
-            ("grpc.initial_reconnect_backoff_ms", int(opts.backoff_initial_s * 1000)),
-            ("grpc.min_reconnect_backoff_ms", int(opts.backoff_initial_s * 1000)),
-            ("grpc.max_reconnect_backoff_ms", int(opts.backoff_max_s * 1000)),
-        ],
-    ) as channel:
-        stub = pb_grpc.CohortServiceStub(channel)
-        while True:
-            remaining = give_up_at - time.monotonic()
-            if remaining <= 0:
-                if reach.failing_since is not None:
-                    raise CohortgateError(
-                        f"cannot reach the cohortgate coordinator at {identity.addr}: "
-                        f"{reach.last} (for {time.monotonic() - reach.failing_since:.0f}s, "
-                        f"giving up after {opts.timeout_s:g}s); check that it runs and that "
-                        "COHORTGATE_ADDR points at it",
-                        grpc.StatusCode.UNAVAILABLE,
-                    )
+    while True:
+        remaining = give_up_at - time.monotonic()
+        if remaining <= 0:
+            if reach.failing_since is not None:
                 raise CohortgateError(
-                    f"no verdict from the cohortgate coordinator at {identity.addr} within "
-                    f"{opts.timeout_s:g}s (last error: {last_error or 'none'}); check its "
-                    "log and `cohortgate status`"
+                    f"cannot reach the cohortgate coordinator at {identity.addr}: "
+                    f"{reach.last} (for {time.monotonic() - reach.failing_since:.0f}s, "
+                    f"giving up after {opts.timeout_s:g}s); check that it runs and that "
+                    "COHORTGATE_ADDR points at it",
+                    grpc.StatusCode.UNAVAILABLE,
                 )
-            try:
-                return _stream(
-                    stub,
-                    request,
-                    identity,
-                    manifest,
-                    remaining,
-                    on_progress,
-                    security.metadata,
-                    digests,
-                    reach,
-                )
-            except grpc.RpcError as exc:
-                code, details = exc.code(), exc.details()
-                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    last_error = f"{code.name}: {details}"
-                    continue
-                held = code is grpc.StatusCode.ALREADY_EXISTS
-                if held and time.monotonic() - started < opts.held_retry_s:
-                    last_error = f"{code.name}: {details}"
-                elif code not in RETRYABLE:
-                    raise CohortgateError(
-                        f"the cohortgate coordinator at {identity.addr} refused the join of "
-                        f"rank {identity.rank}: {code.name}: {details}"
-                        + _too_large(request, details),
-                        code,
-                    ) from None
-                else:
-                    reach.failed(details or code.name)
+            raise CohortgateError(
+                f"no verdict from the cohortgate coordinator at {identity.addr} within "
+                f"{opts.timeout_s:g}s (last error: {last_error or 'none'}); check its "
+                "log and `cohortgate status`"
+            )
+        try:
+            return _stream(
+                stub(),
+                request,
+                identity,
+                manifest,
+                remaining,
+                on_progress,
+                security.metadata,
+                digests,
+                reach,
+            )
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 last_error = f"{code.name}: {details}"
-            # Full jitter: 4,096 ranks reconnecting at once must not arrive in lockstep.
-            time.sleep(min(random.uniform(0, delay), max(give_up_at - time.monotonic(), 0)))
-            delay = min(delay * 2, opts.backoff_max_s)
+                continue
+            held = code is grpc.StatusCode.ALREADY_EXISTS
+            if held and time.monotonic() - started < opts.held_retry_s:
+                last_error = f"{code.name}: {details}"
+            elif code not in RETRYABLE:
+                raise CohortgateError(
+                    f"the cohortgate coordinator at {identity.addr} refused the join of "
+                    f"rank {identity.rank}: {code.name}: {details}" + _too_large(request, details),
+                    code,
+                ) from None
+            else:
+                reach.failed(details or code.name)
+                wait = reach.upstream.failed(exc) if reach.upstream is not None else None
+                if wait is not None:  # another replica to try, or the one that leads
+                    last_error = f"{code.name}: {details}"
+                    time.sleep(min(wait, max(give_up_at - time.monotonic(), 0)))
+                    continue
+            last_error = f"{code.name}: {details}"
+        # Full jitter: 4,096 ranks reconnecting at once must not arrive in lockstep.
+        time.sleep(min(random.uniform(0, delay), max(give_up_at - time.monotonic(), 0)))
+        delay = min(delay * 2, opts.backoff_max_s)
 
 
 def _fingerprints(request: pb.JoinRequest, agreed: Mapping[str, Mapping[str, str]]) -> None:
@@ -247,6 +291,7 @@ class _Reachability:
         self.failing_since: float | None = None
         self.last = ""
         self.said_at: float | None = None
+        self.upstream: Upstream | None = None
 
     def failed(self, details: str) -> None:
         now = time.monotonic()
@@ -269,6 +314,8 @@ class _Reachability:
             logger.debug("rank %d: %s", self.identity.rank, message)
 
     def reached(self) -> None:
+        if self.upstream is not None:
+            self.upstream.reached()
         if self.said_at is not None and self.identity.rank == 0:
             _say(f"reached the cohortgate coordinator at {self.identity.addr}")
         self.failing_since = self.said_at = None

@@ -35,5 +35,14 @@ class Unavailable(CoordinatorError):
     """The coordinator cannot serve now (shutting down); the caller should retry."""
 
 
+class NotLeader(Unavailable):
+    """This replica stands by: `leader` is the advertised address of the one that leads
+    ("" while none does), which the agent follows at once."""
+
+    def __init__(self, message: str, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
 class PermissionDenied(CoordinatorError):
     """A valid token for another job."""

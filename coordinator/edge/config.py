@@ -30,6 +30,7 @@ from coordinator.contract.limits import Limits
 from coordinator.decision.checks import Policies, policy_help
 from coordinator.decision.formation import FormationOptions
 from coordinator.edge.exposure import ServerTLS, exposed, is_loopback
+from coordinator.etcd.client import EtcdSettings
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
 DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"
@@ -137,6 +138,27 @@ class ServeConfig(BaseModel):
     max_watchers_per_token: int = Field(
         100, gt=0, description="open WatchCohorts streams per token (per job scope)"
     )
+    etcd: str = Field(
+        "",
+        description="etcd endpoints, http(s)://HOST:PORT,...: run as one of several replicas "
+        "(one leads; the verdict history is kept in etcd, not in --history)",
+    )
+    etcd_prefix: str = Field("/cohortgate/", description="the keys this fleet uses in etcd")
+    leader_ttl: int = Field(
+        5, ge=2, le=60, description="seconds of the leader's etcd lease (failover time)"
+    )
+    advertise: str = Field(
+        "",
+        description="HOST:PORT agents are sent to when this replica leads (TLS: the "
+        "certificate must cover it); default: --listen's, or this host's name",
+    )
+    etcd_ca: Path | None = Field(None, description="CA (PEM) that etcd's certificate is from")
+    etcd_cert: Path | None = Field(None, description="client certificate (PEM) for etcd")
+    etcd_key: Path | None = Field(None, description="its private key (PEM)")
+    etcd_user: str = Field("", description="etcd user (its password: --etcd-password-file)")
+    etcd_password_file: Path | None = Field(
+        None, description="file holding the etcd user's password"
+    )
 
     @field_validator("listen")
     @classmethod
@@ -156,6 +178,7 @@ class ServeConfig(BaseModel):
         """What the fields say together, checked once: exposure, TLS files, policies."""
         self._check_exposure()
         self.tls.check()
+        self.etcd_settings  # noqa: B018 (endpoints, TLS files and user checked now)
         self.policies  # noqa: B018 (parsed now so a typo stops the start)
         return self
 
@@ -199,6 +222,46 @@ class ServeConfig(BaseModel):
     @property
     def history_path(self) -> str | None:
         return None if self.history == "off" else str(Path(self.history).expanduser())
+
+    @property
+    def etcd_settings(self) -> EtcdSettings | None:
+        """--etcd and its TLS and user, or None (one coordinator, history in SQLite)."""
+        if not self.etcd:
+            return None
+        for flag, file in (
+            ("--etcd-ca", self.etcd_ca),
+            ("--etcd-cert", self.etcd_cert),
+            ("--etcd-key", self.etcd_key),
+            ("--etcd-password-file", self.etcd_password_file),
+        ):
+            if file is not None and not file.is_file():
+                raise ValueError(f"{flag} {file}: no such file")
+        password = ""
+        if self.etcd_password_file is not None:
+            password = self.etcd_password_file.read_text().strip()
+        if self.etcd_user and not password:
+            raise ValueError("--etcd-user needs --etcd-password-file (a file with its password)")
+        return EtcdSettings(
+            self.etcd,
+            prefix=self.etcd_prefix if self.etcd_prefix.endswith("/") else self.etcd_prefix + "/",
+            ca=self.etcd_ca,
+            cert=self.etcd_cert,
+            key=self.etcd_key,
+            user=self.etcd_user,
+            password=password,
+        )
+
+    @property
+    def advertised(self) -> str:
+        """Where agents are sent while this replica leads."""
+        if self.advertise:
+            return self.advertise
+        host, port = split_host_port(self.listen)
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            import socket
+
+            host = socket.getfqdn()
+        return f"{host}:{port}"
 
     @property
     def policies(self) -> Policies:

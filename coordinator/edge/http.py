@@ -45,9 +45,21 @@ def snapshot(coordinator: Coordinator, recent: int = 20) -> dict[str, Any]:
             for s in sorted(summaries, key=lambda s: -s.decided_at)
             if s.state != "waiting"
         ][:recent]
+    replica = coordinator.observer.replica() if coordinator.observer.replica else None
+    degraded = {"history": problem} if problem else {}
+    if replica is not None and replica["role"] != "leader":
+        leader = replica["leader"]
+        degraded["standby"] = (
+            f"this replica stands by; the leader is at {leader}"
+            if leader
+            else "this replica stands by and no replica leads now"
+        )
+    if replica is not None and replica["etcd"]:
+        degraded["etcd"] = replica["etcd"]
     return {
         "generated_at": time.time(),
-        "degraded": {"history": problem} if problem else {},
+        "degraded": degraded,
+        "replica": replica,
         "waiting": [s.to_dict() for s in summaries if s.state == "waiting"],
         "recent_verdicts": verdicts,
     }

@@ -22,10 +22,13 @@ from coordinator.edge.exposure import unprotected
 from coordinator.edge.http import MetricsServer
 from coordinator.edge.plumbing import RAW_JOINS, add_service, keepalive_server_options
 from coordinator.edge.ports import BindError, bind, check_free
+from coordinator.edge.replica import Replica
 from coordinator.edge.servicer import CohortServicer, StatusServicer
 from coordinator.service.core import Coordinator
+from coordinator.service.metrics import Metrics
 from coordinator.service.observers import Observer
 from coordinator.state.backends import open_verdicts
+from coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 
@@ -57,6 +60,7 @@ class RunningServer:
         self.metrics = metrics
         self.metrics_port = metrics.port if metrics else 0
         self.tasks: list[asyncio.Task[None]] = []
+        self.replica: Replica | None = None
 
     async def stop(self, grace: float) -> None:
         for task in self.tasks:
@@ -66,6 +70,9 @@ class RunningServer:
         await self.server.stop(grace)
         if self.metrics is not None:
             await self.metrics.stop()
+        if self.replica is not None:  # the lead is handed over (the lease revoked) now
+            await asyncio.to_thread(self.replica.close)
+            return
         history = self.coordinator.observer.history
         if history is not None:
             history.close()
@@ -90,18 +97,9 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         check_free("--metrics-listen", config.metrics_listen)
     auth = _auth(config)
     limits = config.limits
+    replica = None
     if coordinator is None:
-        path = config.history_path
-        history = (
-            open_verdicts(path, retention_days=config.history_retention_days) if path else None
-        )
-        coordinator = Coordinator(
-            config.formation,
-            progress_interval_s=config.progress_interval,
-            watch_interval_s=config.watch_interval,
-            observer=Observer(history=history),
-            limits=limits,
-        )
+        coordinator, replica = _coordinator(config)
     server = grpc.aio.server(
         options=[
             # One process per address: with SO_REUSEPORT (gRPC's Linux default) a second
@@ -153,6 +151,11 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
     for name in ("", SERVICE_NAME, STATUS_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = RunningServer(server, coordinator, health, port, metrics)
+    if replica is not None:  # stands by (CohortService NOT_SERVING) until it leads
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        advertise = config.advertise or f"{config.advertised.rpartition(':')[0]}:{port}"
+        replica.start(coordinator, health, SERVICE_NAME, advertise)
+        running.replica = replica
     running.tasks.append(asyncio.create_task(_sweep(coordinator, config.job_retention)))
     if coordinator.observer.history is not None:
         await health.set(HISTORY_HEALTH, health_pb2.HealthCheckResponse.SERVING)
@@ -173,11 +176,43 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         metrics=f"{config.metrics_listen.rpartition(':')[0]}:{running.metrics_port}"
         if metrics
         else "off",
-        history=config.history_path or "off",
+        history=("etcd " + config.etcd) if config.etcd else (config.history_path or "off"),
         join_deadline_s=config.join_deadline,
         pid=os.getpid(),
     )
     return running
+
+
+def _coordinator(config: ServeConfig) -> tuple[Coordinator, Replica | None]:
+    """The service over its stores: the verdict history in SQLite (--history), or in etcd
+    with this process as one replica of several (--etcd)."""
+    metrics = Metrics()
+    replica = None
+    etcd = config.etcd_settings
+    if etcd is not None:
+        replica = Replica(
+            etcd,
+            ttl_s=config.leader_ttl,
+            retention_days=config.history_retention_days,
+            metrics=metrics,
+        )
+        history: VerdictStore | None = replica.history
+    else:
+        path = config.history_path
+        history = (
+            open_verdicts(path, retention_days=config.history_retention_days) if path else None
+        )
+    observer = Observer(metrics, history=history)
+    if replica is not None:
+        observer.replica = replica.snapshot
+    coordinator = Coordinator(
+        config.formation,
+        progress_interval_s=config.progress_interval,
+        watch_interval_s=config.watch_interval,
+        observer=observer,
+        limits=config.limits,
+    )
+    return coordinator, replica
 
 
 async def _sweep(coordinator: Coordinator, retention_s: float) -> None:

@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec.leader import LEADER_KEY
 from coordinator.codec.wire import sha256
 from coordinator.contract.errors import (
     AlreadyHeld,
@@ -23,6 +24,7 @@ from coordinator.contract.errors import (
     InvalidArgument,
     LimitExceeded,
     NotFound,
+    NotLeader,
     PermissionDenied,
     Unauthenticated,
     Unavailable,
@@ -84,6 +86,8 @@ async def _abort(
     code = status_code(exc)
     coordinator.observer.rpc_error(method, code.name)
     log.info("rpc refused", method=method, code=code.name, error=str(exc))
+    if isinstance(exc, NotLeader) and exc.leader:  # the agent follows it at once
+        await context.abort(code, str(exc), trailing_metadata=((LEADER_KEY, exc.leader),))
     await context.abort(code, str(exc))
 
 

@@ -42,9 +42,10 @@ class Lead:
 
 class Leadership:
     """Campaigns, renews and steps down on the etcd thread; its state is read from any
-    thread. `changed(leading)` is called on the etcd thread when this replica starts or
-    stops leading; `before_lead` runs (on the etcd loop) after the key is won and before
-    the replica announces it leads: the verdict history catches up there."""
+    thread. `changed(leading, why)` is called on the etcd thread when this replica starts
+    or stops leading (why: lease, fence or shutdown); `before_lead` runs (on the etcd loop)
+    after the key is won and before the replica announces it leads: the verdict history
+    catches up there."""
 
     def __init__(
         self,
@@ -53,7 +54,7 @@ class Leadership:
         replica: str,
         advertise: str,
         ttl_s: int = 5,
-        changed: Callable[[bool], None] = lambda _: None,
+        changed: Callable[[bool, str], None] = lambda leading, why: None,
         before_lead: Callable[[], Awaitable[None]] | None = None,
         failed: Callable[[str, Exception], None] = lambda op, exc: None,
     ) -> None:
@@ -135,7 +136,7 @@ class Leadership:
         self.lead = Lead(self.replica, self.advertise)
         self.takeovers += 1
         log.info("leading", replica=self.replica, advertise=self.advertise, token=revision)
-        self._changed(True)
+        self._changed(True, "")
 
     async def _renewed(self) -> int | None:
         """Renew the lease; the TTL left, or None when it has expired."""
@@ -150,7 +151,7 @@ class Leadership:
             return
         self.valid_until = sent + self.ttl_s - margin_s(self.ttl_s)
 
-    def _step_down(self, why: str) -> None:
+    def _step_down(self, why: str, kind: str = "lease") -> None:
         if not self.token:
             return
         self.token = 0
@@ -159,16 +160,16 @@ class Leadership:
         log.warning(
             "stepped down", replica=self.replica, why=why, advice="another replica takes over"
         )
-        self._changed(False)
+        self._changed(False, kind)
 
     # -- from any thread ------------------------------------------------------------------
     def lost(self, why: str) -> None:
         """A fenced write failed: this replica no longer leads (called on the etcd thread)."""
-        self._step_down(why)
+        self._step_down(why, "fence")
 
     async def _resign(self) -> None:
         token, lease = self.token, self.lease
-        self._step_down("shutting down")
+        self._step_down("shutting down", "shutdown")
         if lease:
             try:
                 await self.etcd.client.revoke(lease)  # the key goes now, not after the TTL

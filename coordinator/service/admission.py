@@ -57,7 +57,8 @@ class Admission:
         self.calls, self.book = calls, book
         self.progress_interval_s = progress_interval_s
         self._evaluate, self._recording, self._changed = evaluate, recording, changed
-        self.closing = False
+        # Why joins are refused now (shutting down, standing by); None while admitting.
+        self.refusal: Callable[[], Unavailable | None] = lambda: None
         # Members of answered long polls, between two calls: by the event they wait on (one
         # per answered call), and the event by member.
         self._lingering: dict[asyncio.Event, Held] = {}
@@ -87,8 +88,9 @@ class Admission:
         *,
         poll: bool = False,
     ) -> AsyncGenerator[JoinEvent]:
-        if self.closing:
-            raise Unavailable("the coordinator is shutting down; retry against its successor")
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         poke = asyncio.Event()
         admitted = self._replayed_from_history(intents[0]) or self._admit(intents, poke, alive)
         if isinstance(admitted, Verdict):
@@ -266,9 +268,12 @@ class Admission:
     ) -> bool:
         """Wait until the verdict is stored (or no longer waited for); False if the call
         went meanwhile. Delivery wakes it."""
-        while self._recording(cohort) and not self.closing:
+        while self._recording(cohort):
             if not alive():
                 return False
+            refusal = self.refusal()
+            if refusal is not None:
+                raise refusal  # not stored: never sent (a successor decides again)
             await self._sleep(poke, None)
         return True
 
@@ -283,10 +288,9 @@ class Admission:
             )
         if not alive():
             return False
-        if self.closing:
-            raise Unavailable(
-                "the coordinator is shutting down; the agent will re-join its successor"
-            )
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         return True
 
     def _linger(self, cohort: LiveCohort, held: Held, poke: asyncio.Event) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 
+from coordinator.contract.errors import Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import ManifestLike
 from coordinator.decision.cohort import UploadKind
@@ -191,10 +192,26 @@ class Coordinator:
     def _changed(self, cohort: LiveCohort) -> None:
         self.watchers.changed((cohort.job_id, cohort.round))
 
-    # -- shutdown ----------------------------------------------------------------------
+    # -- standing by, shutdown ---------------------------------------------------------
+    def stand_by(self, refusal: Callable[[], Unavailable]) -> None:
+        """Admit nothing and deliver nothing: every waiting join ends with `refusal()` (a
+        standby names the leader), and so does every join until `lead()`."""
+        self.admission.refusal = refusal
+        self.decider.closing = True
+        self.calls.wake_all()
+
+    def lead(self) -> None:
+        """Admit again, with nothing held from before: jobs decided while another replica
+        led are read from the verdict history, not from this replica's memory."""
+        self.decider.closing = False
+        self.admission.refusal = lambda: None
+        self.store.evict(-1.0)
+
     def close(self) -> None:
         """Wake every waiting join so it ends with UNAVAILABLE and its agent retries."""
-        self.admission.closing = self.decider.closing = True
-        self.calls.wake_all()
+        shutting = Unavailable(
+            "the coordinator is shutting down; the agent will re-join its successor"
+        )
+        self.stand_by(lambda: shutting)
         self.book.close()
         self.watchers.close()

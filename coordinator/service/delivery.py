@@ -1,5 +1,6 @@
 """Record, then send: a verdict reaches the ranks once the history has stored it (or after
-RECORD_WAIT_S at most), so a rank whose call breaks as the coordinator dies re-joins its
+RECORD_WAIT_S at most, unless the history is fenced: etcd's, where a verdict not stored is
+never sent), so a rank whose call breaks as the coordinator dies re-joins its
 successor and finds this verdict, not a new round it would wait in while the others formed.
 """
 
@@ -48,8 +49,10 @@ class Delivery:
             warnings=verdict.warnings,
         )
         history = self.observer.history
-        if history is None or history.problem or self._history_late:
-            # A degraded history, or one already late: not waited for (again).
+        fenced = history is not None and history.fenced
+        if history is None or (not fenced and (history.problem or self._history_late)):
+            # A degraded history, or one already late: not waited for (again). A fenced
+            # one (etcd) always is: not stored, not sent.
             self.observer.decided(cohort)
             self.deliver(cohort)
         else:
@@ -57,7 +60,8 @@ class Delivery:
             tracked.cancel()  # a decided cohort has no recheck or asks left
             tracked.recording = True
             loop = asyncio.get_running_loop()
-            self.book.arm(cohort, "record", self.book.clock() + RECORD_WAIT_S, self._unrecorded)
+            if not fenced:
+                self.book.arm(cohort, "record", self.book.clock() + RECORD_WAIT_S, self._unrecorded)
 
             def written() -> None:  # on the history's writer thread
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits

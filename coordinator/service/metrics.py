@@ -78,6 +78,27 @@ class Metrics:
             "history_degraded",
             "1 while the history file refuses writes (the coordinator keeps serving).",
         )
+        self.leader = gauge(
+            "leader",
+            "1 while this replica leads (admits joins and delivers verdicts), 0 while it "
+            "stands by (active/standby on etcd); always 1 for a single coordinator.",
+        )
+        self.leader.set(1)
+        self.failovers = count(
+            "leader_takeovers_total",
+            "Times this replica took the lead (a failover to it, or its first lead).",
+        )
+        self.step_downs = count(
+            "leader_step_downs_total",
+            "Times this replica stopped leading, by why: lease (could not renew in time), "
+            "fence (a fenced write failed: another leads), shutdown.",
+            "why",
+        )
+        self.etcd_errors = count(
+            "etcd_errors_total",
+            "etcd calls that failed, by operation (leadership, write, read, prune).",
+            "operation",
+        )
 
     # Every name is prefixed cohortgate_; a counter's name ends in _total (the client
     # library's exposition adds it back).

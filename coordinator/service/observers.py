@@ -14,6 +14,8 @@ class Observer:
     def __init__(self, metrics: Metrics | None = None, history: VerdictStore | None = None) -> None:
         self.metrics = metrics or Metrics()
         self.history = history
+        # This replica's role and leader, for status (set where replicas run on etcd).
+        self.replica: Callable[[], dict[str, str]] | None = None
         if history is not None:
             history.listeners.append(self._history_failed)
 

@@ -1,16 +1,20 @@
 """Which backend holds what: every caller opens its stores here, never a backend module.
 
-Today: cohorts in memory (`MemoryStore`), verdicts in SQLite (`History`, a file path). A new
-verdict backend (etcd, for active/standby coordinators) adds its spelling to
-`open_verdicts` and passes tests/test_store_contract.py; nothing else changes.
+Cohorts in memory (`MemoryStore`); verdicts in SQLite (`History`, a file path), or in etcd
+for active/standby replicas (`EtcdHistory`, serve --etcd). Every verdict backend passes
+tests/test_store_contract.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from coordinator.contract.limits import Limits
 from coordinator.state.base import CohortStore, VerdictStore
+
+if TYPE_CHECKING:
+    from coordinator.etcd.client import EtcdThread
 
 
 def open_verdicts(
@@ -32,3 +36,19 @@ def open_cohorts(
     from coordinator.state.memory import MemoryStore
 
     return MemoryStore(clock, verdicts.last_round if verdicts is not None else lambda _: 0, limits)
+
+
+def open_etcd_verdicts(
+    etcd: EtcdThread,
+    retention_days: float,
+    *,
+    token: Callable[[], int],
+    lost: Callable[[str], None],
+    readonly: bool = False,
+) -> VerdictStore:
+    """The verdict history in etcd (serve --etcd): writes fenced by `token()`, the leader
+    key's create revision while this replica leads; `lost(why)` steps it down when a fenced
+    write fails. Raises OSError with one line to print when etcd cannot be read."""
+    from coordinator.state.etcd_history import EtcdHistory
+
+    return EtcdHistory(etcd, retention_days, token=token, lost=lost, readonly=readonly)
