@@ -83,8 +83,9 @@ class RankIdentity:
         if not 0 <= rank < world_size:
             raise AgentConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
         coordinator = addr or env.get("COHORTGATE_ADDR") or DEFAULT_ADDR
-        try:
-            split_host_port(coordinator)
+        try:  # one address, or the replicas of an active/standby coordinator: a:7070,b:7070
+            for one in coordinator.split(","):
+                split_host_port(one.strip())
         except ValueError as exc:
             where = "addr=" if addr else "COHORTGATE_ADDR="
             raise AgentConfigError(f"{where}{coordinator!r}: {exc}") from None

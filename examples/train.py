@@ -10,6 +10,9 @@ Flags make chosen ranks build a different model, to show a refusal:
   --verify-values   send a digest of the weights' values too
   --resume-rank R   rank R declares another resume step (facts={"resume_step": ...}): the
                     shapes agree, the facts check does not
+  --hold-rank R --hold-file F
+                    rank R (the flag repeats) joins only once file F exists: a job with some
+                    ranks in and the others still to come (the failover tests hold it so)
 """
 
 from __future__ import annotations
@@ -49,12 +52,16 @@ def main() -> int:
     parser.add_argument("--seed-rank", type=int, default=-1, help="(default: none)")
     parser.add_argument("--verify-values", action="store_true", help="(default: off)")
     parser.add_argument("--resume-rank", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--hold-rank", type=int, action="append", default=[], help="(none)")
+    parser.add_argument("--hold-file", default="", help="(default: none)")
     args = parser.parse_args()
 
     rank = int(os.environ["RANK"])
     if rank == args.absent_rank:
         time.sleep(3600)  # alive but never joins: torchrun ends it once the others fail
         return 0
+    while rank in args.hold_rank and not os.path.exists(args.hold_file):
+        time.sleep(0.05)
     node = int(os.environ.get("GROUP_RANK", "0"))
     wide = rank == args.wide_rank or node == args.wide_node
     hidden = args.hidden * 2 if wide else args.hidden

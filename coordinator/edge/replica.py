@@ -86,6 +86,12 @@ class Replica:
         """The leader's advertised address ("" while none is known)."""
         return self.leadership.lead.advertise
 
+    def _gate(self) -> NotLeader | None:
+        """While leading: refuse a join once this replica's own clock says the lease may
+        have gone, before the etcd thread has stepped it down (a process that was paused
+        runs its queued calls first)."""
+        return None if self.leadership.leading else self.refusal()
+
     def refusal(self) -> NotLeader:
         leader = self.leader
         if leader and leader != self.leadership.advertise:
@@ -118,7 +124,7 @@ class Replica:
             return
         status = health_pb2.HealthCheckResponse
         if leading and self.leadership.leading:
-            coordinator.lead()
+            coordinator.lead(self._gate)
             self.metrics.leader.set(1)
             self.metrics.failovers.inc()
             await health.set(self._service, status.SERVING)

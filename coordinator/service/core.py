@@ -200,11 +200,12 @@ class Coordinator:
         self.decider.closing = True
         self.calls.wake_all()
 
-    def lead(self) -> None:
-        """Admit again, with nothing held from before: jobs decided while another replica
-        led are read from the verdict history, not from this replica's memory."""
+    def lead(self, gate: Callable[[], Unavailable | None] = lambda: None) -> None:
+        """Admit again (while `gate()` says nothing against it), with nothing held from
+        before: jobs decided while another replica led are read from the verdict history,
+        not from this replica's memory."""
         self.decider.closing = False
-        self.admission.refusal = lambda: None
+        self.admission.refusal = gate
         self.store.evict(-1.0)
 
     def close(self) -> None:

@@ -1,0 +1,104 @@
+"""Replicas of `cohortgate serve --etcd` as real processes, for the failover tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.helpers import coordinator_process, log_events, serving_pid
+
+SERVICE = "cohortgate.v1.CohortService"
+
+
+@dataclass
+class Replica:
+    addr: str
+    log: Path
+    pid: int
+
+    def health(self, service: str = SERVICE) -> int:
+        """The gRPC health status of `service` (-1: no answer)."""
+        with grpc.insecure_channel(self.addr) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+            except grpc.RpcError:
+                return -1
+            return int(reply.status)
+
+    @property
+    def leading(self) -> bool:
+        return self.health() == health_pb2.HealthCheckResponse.SERVING
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(self.pid, sig)
+
+    def events(self, name: str) -> list[dict[str, object]]:
+        return [e for e in log_events(self.log) if e.get("event") == name]
+
+
+@contextlib.contextmanager
+def replicas(
+    tmp: Path, endpoint: str, prefix: str, n: int = 2, ttl: int = 2, *flags: str
+) -> Iterator[list[Replica]]:
+    """`n` replicas on one etcd (the first started leads: the others start once it does)."""
+    with contextlib.ExitStack() as stack:
+        started: list[Replica] = []
+        for _ in range(n):
+            addr, log = stack.enter_context(
+                coordinator_process(
+                    "--etcd",
+                    endpoint,
+                    "--etcd-prefix",
+                    prefix,
+                    "--leader-ttl",
+                    str(ttl),
+                    "--progress-interval",
+                    "0.2",
+                    *flags,
+                    tmp=tmp,
+                )
+            )
+            started.append(Replica(addr, log, serving_pid(log)))
+            if len(started) == 1:
+                wait_leader(started)
+        yield started
+
+
+def wait_leader(group: list[Replica], within: float = 30.0) -> Replica:
+    """The one replica that leads, once exactly one does."""
+    give_up = time.monotonic() + within
+    while True:
+        leading = [r for r in group if r.leading]
+        if len(leading) == 1:
+            return leading[0]
+        assert time.monotonic() < give_up, f"no single leader: {len(leading)} lead"
+        time.sleep(0.05)
+
+
+def stamp(event: dict[str, object]) -> float:
+    """A log line's time, in seconds since the epoch."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def status_json(replica: Replica) -> dict[str, object]:
+    """/status.json of a replica (its metrics port, from the port file's second line)."""
+    import urllib.request
+
+    for line in replica.log.read_text().splitlines():
+        if '"serving"' in line:
+            metrics = json.loads(line)["metrics"]
+            with urllib.request.urlopen(f"http://{metrics}/status.json", timeout=5) as reply:
+                return dict(json.loads(reply.read()))
+    raise AssertionError("no serving line")

@@ -1,0 +1,420 @@
+"""Active/standby replicas on a real etcd: one leads, a standby points agents at it, and
+failover never splits a cohort's outcome (SIGKILL, SIGSTOP, a killed etcd)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from coordinator.api.v1 import cohort_pb2 as pb
+from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from coordinator.codec.leader import LEADER_KEY, Upstream
+from coordinator.decision.verdict import Outcome
+from coordinator.etcd.client import EtcdSettings, EtcdThread, prefix_end
+from coordinator.etcd.leader import Leadership
+from coordinator.state.base import VerdictRow
+from coordinator.state.etcd_history import EtcdHistory
+from tests.etcd import EtcdServer, etcd_server
+from tests.etcd import prefix as etcd_prefix
+from tests.ha import Replica, replicas, stamp, status_json, wait_leader
+from tests.helpers import (
+    TRAIN,
+    agent_rank,
+    finish,
+    free_port,
+    join_request,
+    kill_group,
+    launch,
+    launch_env,
+    manifest_of,
+    two_node_args,
+    wait_joined,
+)
+from tests.netfault import FaultProxy
+from tests.test_store_contract import verdict_of
+
+M = manifest_of()
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+TTL = 2
+
+
+def held_job(
+    tmp: Path, addrs: str, job: str, hold: Path, *, env: dict[str, str] | None = None
+) -> tuple[object, list[str]]:
+    """A 4-rank torchrun job whose ranks 2 and 3 join once `hold` exists."""
+    args = [
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        str(TRAIN),
+        "--steps",
+        "1",
+        "--hold-rank",
+        "2",
+        "--hold-rank",
+        "3",
+        "--hold-file",
+        str(hold),
+    ]
+    environment = launch_env(
+        tmp, COHORTGATE_ADDR=addrs, COHORTGATE_JOB=job, MASTER_ADDR="127.0.0.1", **(env or {})
+    )
+    return launch(args, environment, tmp), args
+
+
+def formed_ids(out: str) -> set[str]:
+    return set(re.findall(r"cohort (\S+) formed, all_reduce sum 10", out))
+
+
+# -- leadership and the store, without coordinators --------------------------------------
+@pytest.mark.timeout(60)
+def test_one_of_two_campaigners_leads_and_the_other_takes_over_when_it_resigns(
+    etcd: EtcdServer,
+) -> None:
+    settings = EtcdSettings(etcd.endpoint, prefix=etcd_prefix())
+    threads = [EtcdThread(settings), EtcdThread(settings)]
+    changes: list[tuple[str, bool]] = []
+    both = [
+        Leadership(
+            t,
+            replica=name,
+            advertise=f"{name}:7070",
+            ttl_s=TTL,
+            changed=lambda leading, _, n=name: changes.append((n, leading)),
+        )
+        for t, name in zip(threads, ("a", "b"), strict=True)
+    ]
+    try:
+        both[0].start()
+        give_up = time.monotonic() + 10
+        while not both[0].leading:
+            assert time.monotonic() < give_up
+            time.sleep(0.02)
+        both[1].start()
+        time.sleep(1.5)
+        assert not both[1].leading and both[1].lead.advertise == "a:7070", "b sees who leads"
+        both[0].close()  # revokes its lease: b leads at once, not after the TTL
+        resigned = time.monotonic()
+        while not both[1].leading:
+            assert time.monotonic() - resigned < 2.0, "b did not take over after a resigned"
+            time.sleep(0.02)
+        assert changes == [("a", True), ("a", False), ("b", True)]
+    finally:
+        for leadership in both:
+            leadership.close()
+        for t in threads:
+            t.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_that_no_longer_leads_stores_no_verdict_and_steps_down(
+    etcd: EtcdServer,
+) -> None:
+    """The fence: a write under a token whose leader key was replaced (another replica
+    leads now) is not stored, `written` is never called, and `lost` is."""
+    settings = EtcdSettings(etcd.endpoint, prefix=etcd_prefix())
+    thread = EtcdThread(settings)
+    key = settings.key_prefix + b"leader"
+
+    async def take() -> int:
+        await thread.client.put(key, b"{}")
+        return int((await thread.client.range(key)).kvs[0].create_revision)
+
+    try:
+        old = thread.run(take(), timeout=5)
+        lost: list[str] = []
+        store = EtcdHistory(thread, token=lambda: old, lost=lost.append)
+        thread.run(thread.client.delete(key), timeout=5)
+        thread.run(take(), timeout=5)  # the key again, created by someone else
+        written = threading.Event()
+        store.record(VerdictRow.of(verdict_of("j", 1), {0: "a"}), written.set)
+        assert store.flush(5)
+        assert not written.is_set(), "a verdict written without the lead"
+        assert lost and "no longer this replica's" in lost[0]
+        stored = thread.run(
+            thread.client.range(
+                settings.key_prefix + b"v/", prefix_end(settings.key_prefix + b"v/")
+            ),
+            timeout=5,
+        )
+        assert not stored.kvs, "nothing stored"
+        assert store.get("j") is None and store.last_round("j") == 0
+    finally:
+        thread.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_record_larger_than_one_etcd_request_is_stored_in_parts_and_read_back(
+    etcd: EtcdServer,
+) -> None:
+    settings = EtcdSettings(etcd.endpoint, prefix=etcd_prefix())
+    thread = EtcdThread(settings)
+    key = settings.key_prefix + b"leader"
+    try:
+
+        async def take() -> int:
+            await thread.client.put(key, b"{}")
+            return int((await thread.client.range(key)).kvs[0].create_revision)
+
+        token = thread.run(take(), timeout=5)
+        store = EtcdHistory(thread, token=lambda: token)
+        import os
+
+        members = {r: os.urandom(48).hex() for r in range(30_000)}  # ~2.9 MB, ~1.5 MB packed
+        written = threading.Event()
+        verdict = verdict_of("big", 1)
+        store.record(VerdictRow.of(verdict, members), written.set)
+        assert written.wait(10), store.problem
+        again = EtcdHistory(thread)  # a standby: reads the listing, the parts on demand
+        row = again.get("big")
+        assert row is not None and row.members == members
+        assert again.verdict_of("big", members[29_999]) == verdict
+    finally:
+        thread.close()
+
+
+# -- replicas as processes ---------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_standby_answers_joins_with_the_leaders_address_which_the_agent_follows(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    with replicas(tmp_path, etcd.endpoint, etcd_prefix(), ttl=TTL) as (first, second):
+        leader = wait_leader([first, second])
+        standby = second if leader is first else first
+        assert standby.health("") == SERVING, "liveness: a standby is not to be restarted"
+        assert standby.health() == NOT_SERVING, "readiness: no Service sends agents here"
+        with grpc.insecure_channel(standby.addr) as channel:
+            stub = pb_grpc.CohortServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Join(join_request("j", 0, 1, M), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"the leader is at {leader.addr}" in (refused.value.details() or "")
+        named = dict(refused.value.trailing_metadata() or ())
+        assert named[LEADER_KEY] == leader.addr
+        # the agent's real client, given the standby only, follows it to the leader
+        verdicts = [None, None]
+
+        def rank(r: int) -> None:
+            verdicts[r] = agent_rank(standby.addr, "followed", r, 2, M, timeout_s=30)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert all(v is not None and v.outcome == pb.Verdict.OUTCOME_FORMED for v in verdicts)
+        assert leader.events("cohort formed") and not standby.events("cohort formed")
+        # a standby's status says so and lists the leader's verdicts (shared history)
+        status = status_json(standby)
+        assert status["replica"]["role"] == "standby"  # type: ignore[index]
+        assert "the leader is at" in status["degraded"]["standby"]  # type: ignore[index]
+        deadline = time.monotonic() + 5
+        while not any(v["job_id"] == "followed" for v in status["recent_verdicts"]):  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the standby never saw the leader's verdict"
+            time.sleep(0.2)
+            status = status_json(standby)
+
+
+def test_upstream_rotates_through_its_replicas_and_follows_a_named_leader() -> None:
+    class Refusal:
+        def __init__(self, leader: str = "", details: str = "") -> None:
+            self._md = ((LEADER_KEY, leader),) if leader else ()
+            self._details = details
+
+        def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+            return self._md
+
+        def details(self) -> str:
+            return self._details
+
+    up = Upstream("a:1,b:2,c:3")
+    assert up.current == "a:1"
+    assert up.failed(Refusal()) == 0.0 and up.current == "b:2", "next replica, at once"
+    assert up.failed(Refusal(leader="c:3")) == 0.0 and up.current == "c:3", "the named leader"
+    assert up.failed(Refusal()) is None and up.current == "a:1", "all tried: back off"
+    assert up.failed(Refusal()) == 0.0 and up.current == "b:2", "a new turn"
+    up.reached()
+    standby = Refusal(details="this coordinator is a standby and no replica leads now")
+    assert [up.failed(standby) for _ in range(3)] == [0.0, 0.0, 1.0], "retried every 1 s"
+    single = Upstream("svc:7070")
+    assert single.failed(standby) == 1.0 and single.failed(Refusal()) is None
+    with pytest.raises(Exception, match="COHORTGATE_ADDR"):
+        Upstream("a:1,nonsense")
+
+
+# -- failover, end to end --------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_leader_killed_while_a_job_waits_the_job_forms_on_the_standby(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    hold = tmp_path / "go"
+    with replicas(tmp_path, etcd.endpoint, etcd_prefix(), ttl=TTL) as group:
+        leader = wait_leader(group)
+        standby = next(r for r in group if r is not leader)
+        proc, _ = held_job(tmp_path, f"{leader.addr},{standby.addr}", "killed-leader", hold)
+        try:
+            wait_joined(leader.addr, "killed-leader", 2, within=90)
+            leader.signal(signal.SIGKILL)
+            killed = time.time()
+            hold.touch()
+            (out,) = finish([proc], timeout=180)
+        finally:
+            kill_group(proc)  # type: ignore[arg-type]
+        assert proc.returncode == 0, out  # type: ignore[attr-defined]
+        assert len(formed_ids(out)) == 1 and out.count("trained 1 steps") == 4, out
+        formed = standby.events("cohort formed")
+        assert formed, "the standby formed it"
+        took = stamp(formed[0]) - killed
+        assert took < TTL + 3, f"formed {took:.1f}s after the kill (TTL {TTL}s)"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_leader_killed_during_the_fan_out_every_rank_ends_with_the_same_verdict(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """Two nodes. Node 1's ranks (2-3) reach the leader through a proxy, which holds what
+    flows once they have joined; node 0's ranks then join directly and the cohort forms:
+    the verdict is stored, and reaches ranks 0-1 only. The leader is killed the moment etcd
+    holds the verdict, and what the proxy held for ranks 2-3 is dropped (reset). They
+    re-join the standby and get the stored verdict: one cohort, trained by all four."""
+    prefix, hold = etcd_prefix(), tmp_path / "go"
+    settings = EtcdSettings(etcd.endpoint, prefix=prefix)
+    watcher = EtcdThread(settings)
+    try:
+        with replicas(tmp_path, etcd.endpoint, prefix, ttl=TTL) as group:
+            leader = wait_leader(group)
+            standby = next(r for r in group if r is not leader)
+            with FaultProxy(leader.addr) as proxy:
+                rdzv = f"127.0.0.1:{free_port()}"
+                node_args = two_node_args(
+                    rdzv,
+                    "fan-out",
+                    TRAIN,
+                    "--steps",
+                    "1",
+                    "--hold-rank",
+                    "0",
+                    "--hold-rank",
+                    "1",
+                    "--hold-file",
+                    str(hold),
+                )
+                procs = [
+                    launch(
+                        node_args,
+                        launch_env(tmp_path, COHORTGATE_ADDR=f"{via},{standby.addr}"),
+                        tmp_path,
+                    )
+                    for via in (leader.addr, proxy.addr)
+                ]
+                try:
+                    wait_joined(leader.addr, "fan-out", 2, within=90)
+                    proxy.delay(60.0)  # ranks 2-3 hear nothing more from the leader
+                    hold.touch()
+                    key = settings.key_prefix + b"v/fan-out/"
+                    give_up = time.monotonic() + 60
+                    while not watcher.run(watcher.client.range(key, prefix_end(key)), 5).kvs:
+                        assert time.monotonic() < give_up, "no verdict stored"
+                        time.sleep(0.002)
+                    leader.signal(signal.SIGKILL)
+                    proxy.reset()
+                    outs = finish(procs, timeout=180)
+                finally:
+                    for p in procs:
+                        kill_group(p)
+        for p, out in zip(procs, outs, strict=True):
+            assert p.returncode == 0, out
+        ids = formed_ids(outs[0]) | formed_ids(outs[1])
+        assert len(ids) == 1, outs
+        assert sum(out.count("trained 1 steps") for out in outs) == 4, outs
+        assert standby.events("verdict replayed from history"), "ranks 2-3 got it replayed"
+        assert not standby.events("cohort formed"), "no second cohort"
+    finally:
+        watcher.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_paused_leader_that_wakes_after_a_takeover_sends_nothing_and_steps_down(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    hold = tmp_path / "go"
+    with replicas(tmp_path, etcd.endpoint, etcd_prefix(), ttl=TTL) as group:
+        old = wait_leader(group)
+        standby = next(r for r in group if r is not old)
+        proc, _ = held_job(tmp_path, f"{old.addr},{standby.addr}", "paused-leader", hold)
+        try:
+            wait_joined(old.addr, "paused-leader", 2, within=90)
+            old.signal(signal.SIGSTOP)
+            try:
+                give_up = time.monotonic() + TTL + 10
+                while not standby.leading:
+                    assert time.monotonic() < give_up, "the standby never took over"
+                    time.sleep(0.05)
+                hold.touch()  # ranks 2-3 now try the paused one first, then the new leader
+                time.sleep(1.0)
+            finally:
+                old.signal(signal.SIGCONT)
+            (out,) = finish([proc], timeout=200)
+        finally:
+            kill_group(proc)  # type: ignore[arg-type]
+        assert proc.returncode == 0, out  # type: ignore[attr-defined]
+        assert len(formed_ids(out)) == 1 and out.count("trained 1 steps") == 4, out
+        assert standby.events("cohort formed")
+        assert not old.events("cohort formed"), "the old leader decided nothing"
+        assert old.events("stepped down")
+        assert old.health() == NOT_SERVING and old.health("") == SERVING
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_with_etcd_killed_no_verdict_is_sent_unstored_and_launches_resume_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    hold = tmp_path / "go"
+    with etcd_server(tmp_path) as etcd:
+        prefix = etcd_prefix()
+        with replicas(tmp_path, etcd.endpoint, prefix, ttl=TTL) as group:
+            leader = wait_leader(group)
+            addrs = ",".join(r.addr for r in group)
+            proc, _ = held_job(tmp_path, addrs, "etcd-down", hold)
+            try:
+                wait_joined(leader.addr, "etcd-down", 2, within=90)
+                etcd.kill()
+                hold.touch()  # the cohort completes while etcd is away
+                time.sleep(TTL + 2)
+                assert not any(r.leading for r in group), "a leader without etcd"
+                # decided while etcd was away: never stored, so never to be sent
+                unstored = {str(e["cohort_id"]) for r in group for e in r.events("cohort formed")}
+                etcd.start()
+                (out,) = finish([proc], timeout=200)
+            finally:
+                kill_group(proc)  # type: ignore[arg-type]
+            assert proc.returncode == 0, out  # type: ignore[attr-defined]
+            (cohort_id,) = formed_ids(out)
+            thread = EtcdThread(EtcdSettings(etcd.endpoint, prefix=prefix))
+            try:
+                stored = EtcdHistory(thread, readonly=True).get("etcd-down")
+            finally:
+                thread.close()
+            assert stored is not None and stored.cohort_id == cohort_id, "the verdict is stored"
+            assert stored.outcome == Outcome.FORMED.value
+            assert cohort_id not in unstored, "the ranks got the verdict decided unstored"
