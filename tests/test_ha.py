@@ -3,7 +3,6 @@ failover never splits a cohort's outcome (SIGKILL, SIGSTOP, a killed etcd)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import signal
 import threading
@@ -24,7 +23,7 @@ from coordinator.state.base import VerdictRow
 from coordinator.state.etcd_history import EtcdHistory
 from tests.etcd import EtcdServer, etcd_server
 from tests.etcd import prefix as etcd_prefix
-from tests.ha import Replica, replicas, stamp, status_json, wait_leader
+from tests.ha import replicas, stamp, status_json, wait_leader
 from tests.helpers import (
     TRAIN,
     agent_rank,
