@@ -22,12 +22,15 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt agent/_digest.c
 demo: venv
 	$(PY) examples/demo.py
 
-## system-deps: Debian's chromium (installed: it enables no service) and prometheus with
-## promtool (unpacked into $(VENV)/prometheus only: its package would enable and start
-## prometheus.service), which the operations tests drive
+## system-deps: Debian's chromium (installed: it enables no service), prometheus with
+## promtool and etcd-server (each unpacked into $(VENV) only: their packages would enable
+## and start prometheus.service and etcd.service, etcd on port 2379), which the operations
+## and failover tests drive; the tests start their own etcd on free loopback ports
 PROM := $(VENV)/prometheus/usr/bin
+ETCD := $(VENV)/etcd/usr/bin
+TEST_PATH := $(abspath $(PROM)):$(abspath $(ETCD))
 system-deps: venv
-	@if ! command -v chromium >/dev/null || ! [ -x $(PROM)/promtool ]; then \
+	@if ! command -v chromium >/dev/null || ! [ -x $(PROM)/promtool ] || ! [ -x $(ETCD)/etcd ]; then \
 	  if ! command -v apt-get >/dev/null; then \
 	    echo "install chromium, and put prometheus and promtool in $(PROM):" \
 	      "the operations tests need them" >&2; exit 1; fi; \
@@ -41,17 +44,21 @@ system-deps: venv
 	if ! [ -x $(PROM)/promtool ]; then \
 	  rm -rf $(VENV)/debs && mkdir -p $(VENV)/debs && \
 	  (cd $(VENV)/debs && apt-get download -q prometheus) && \
-	  dpkg-deb -x $(VENV)/debs/prometheus_*.deb $(VENV)/prometheus; fi
+	  dpkg-deb -x $(VENV)/debs/prometheus_*.deb $(VENV)/prometheus; fi; \
+	if ! [ -x $(ETCD)/etcd ]; then \
+	  rm -rf $(VENV)/etcd-debs && mkdir -p $(VENV)/etcd-debs && \
+	  (cd $(VENV)/etcd-debs && apt-get download -q etcd-server) && \
+	  dpkg-deb -x $(VENV)/etcd-debs/etcd-server_*.deb $(VENV)/etcd; fi
 
 ## test: everything CI runs: generated-code check, ruff, import contracts, mypy, pytest
 ## (every tier), with the 15 slowest tests printed
 test: venv system-deps proto-check lint typecheck
-	PATH="$(abspath $(PROM)):$$PATH" $(PY) -m pytest -q --durations=15
+	PATH="$(TEST_PATH):$$PATH" $(PY) -m pytest -q --durations=15
 
 ## test-fast: the fast tier, for every change: no real torchrun job, browser or test that
 ## waits out a timeout (markers e2e and slow); under 2 minutes on 2 cores
 test-fast: venv system-deps
-	PATH="$(abspath $(PROM)):$$PATH" $(PY) -m pytest -q -m "not e2e and not slow" --durations=10
+	PATH="$(TEST_PATH):$$PATH" $(PY) -m pytest -q -m "not e2e and not slow" --durations=10
 
 lint: venv
 	$(VENV)/bin/ruff format --check .

@@ -284,6 +284,43 @@ def test_leader_killed_while_a_job_waits_the_job_forms_on_the_standby(
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
+def test_through_node_relays_a_killed_leaders_job_forms_on_the_standby(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """`cohortgate run --coordinator a,b` on two nodes: each node's relay follows the lead;
+    node 0's group waits on the leader, which is killed before node 1's ranks join."""
+    hold = tmp_path / "go"
+    with replicas(tmp_path, etcd.endpoint, etcd_prefix(), ttl=TTL) as group:
+        leader = wait_leader(group)
+        standby = next(r for r in group if r is not leader)
+        rdzv = f"127.0.0.1:{free_port()}"
+        script = ["--steps", "1", "--hold-rank", "2", "--hold-rank", "3"]
+        args = [
+            "--coordinator",
+            f"{standby.addr},{leader.addr}",  # the standby first: the relays follow it
+            *two_node_args(rdzv, "relayed", TRAIN, *script, "--hold-file", str(hold)),
+        ]
+        procs = [launch(args, launch_env(tmp_path), tmp_path, via="cohortgate run") for _ in "ab"]
+        try:
+            wait_joined(leader.addr, "relayed", 2, within=90)
+            leader.signal(signal.SIGKILL)
+            killed = time.time()
+            hold.touch()
+            outs = finish(procs, timeout=180)
+        finally:
+            for p in procs:
+                kill_group(p)
+        for p, out in zip(procs, outs, strict=True):
+            assert p.returncode == 0, out
+            assert "through this node's relay" in out, out
+        assert len(formed_ids(outs[0]) | formed_ids(outs[1])) == 1, outs
+        assert sum(out.count("trained 1 steps") for out in outs) == 4, outs
+        formed = standby.events("cohort formed")
+        assert formed and stamp(formed[0]) - killed < TTL + 3, formed
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
 def test_leader_killed_during_the_fan_out_every_rank_ends_with_the_same_verdict(
     tmp_path: Path, etcd: EtcdServer
 ) -> None:

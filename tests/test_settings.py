@@ -235,13 +235,22 @@ def test_a_world_readable_tokens_file_starts_with_a_warning_naming_it(tmp_path: 
 # The flags as they were written by hand before they were generated (issue 24): the same
 # set, each also a variable.
 SERVE_FLAGS = [
+    "advertise",
     "allow-remote",
+    "etcd",
+    "etcd-ca",
+    "etcd-cert",
+    "etcd-key",
+    "etcd-password-file",
+    "etcd-prefix",
+    "etcd-user",
     "grace",
     "history",
     "history-retention-days",
     "job-policy",
     "job-retention",
     "join-deadline",
+    "leader-ttl",
     "listen",
     "log-format",
     "log-level",

@@ -29,14 +29,15 @@ from coordinator.contract.addr import split_host_port
 from coordinator.edge.config import run_history
 
 RUN_USAGE = """\
-usage: cohortgate run [--coordinator HOST:PORT] [--no-relay] [--join-deadline S]
+usage: cohortgate run [--coordinator HOST:PORT[,HOST:PORT...]] [--no-relay] [--join-deadline S]
                       [torchrun options] script.py [script args]
 
 Run torchrun with every worker gated by cohortgate, and exit with torchrun's exit code.
 
 cohortgate's options (before torchrun's):
   --coordinator HOST:PORT  a coordinator every node reaches (default: none; one is started on
-                           this node, which only a single-node job can use)
+                           this node, which only a single-node job can use); the replicas
+                           of an active/standby coordinator as a list, a:7070,b:7070
   --no-relay               with --coordinator: workers join it directly (default: a relay is
                            started on this node and they join through it, one call per node)
   --join-deadline S        the coordinator started here waits S seconds for every rank
@@ -136,7 +137,8 @@ def _own_options(argv: list[str]) -> _Own:
             raise LaunchError(f"{flag} needs a value\n\n{RUN_USAGE}")
         value = inline if eq else argv.pop(0)
         if flag == "--coordinator":
-            split_host_port(value)
+            for one in value.split(","):  # a:7070,b:7070: active/standby replicas
+                split_host_port(one.strip())
             own.coordinator = value
         elif _positive(value):
             own.deadline = value

@@ -66,10 +66,10 @@ class Upstream:
         address. Returns 0 to retry at once, NO_LEADER_RETRY_S while a standby says no
         replica leads, or None to back off as the caller does (every address failed)."""
         leader = leader_of(error)
-        if leader and leader != self.current:
+        self._tried.add(self.current)
+        if leader and leader not in self._tried:  # (two stale standbys never ping-pong)
             self.current = leader
             return 0.0
-        self._tried.add(self.current)
         standby = "standby" in (_details(error) or "")
         if self.several:
             at = self.addrs.index(self.current) if self.current in self.addrs else -1

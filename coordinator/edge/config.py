@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     JsonValue,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -150,7 +151,7 @@ class ServeConfig(BaseModel):
     advertise: str = Field(
         "",
         description="HOST:PORT agents are sent to when this replica leads (TLS: the "
-        "certificate must cover it); default: --listen's, or this host's name",
+        "certificate must cover it); off: --listen's (this host's name for 0.0.0.0)",
     )
     etcd_ca: Path | None = Field(None, description="CA (PEM) that etcd's certificate is from")
     etcd_cert: Path | None = Field(None, description="client certificate (PEM) for etcd")
@@ -293,7 +294,10 @@ class RelayConfig(BaseModel):
     env_prefix: ClassVar[str] = ENV_PREFIX + "RELAY_"
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    upstream: str = Field(description="the coordinator (or a rack relay), HOST:PORT")
+    upstream: str = Field(
+        description="the coordinator (or a rack relay), HOST:PORT; the replicas of an "
+        "active/standby coordinator as a list, a:7070,b:7070 (the leader is followed)"
+    )
     listen: str = Field("127.0.0.1:29471", description="HOST:PORT the node's ranks join")
     local_ranks: int = Field(
         default_factory=_local_ranks,
@@ -339,8 +343,9 @@ class RelayConfig(BaseModel):
 
     @field_validator("upstream", "listen")
     @classmethod
-    def _addr(cls, value: str) -> str:
-        split_host_port(value)
+    def _addr(cls, value: str, info: ValidationInfo) -> str:
+        for one in value.split(",") if info.field_name == "upstream" else (value,):
+            split_host_port(one.strip())
         return value
 
     @model_validator(mode="after")

@@ -28,6 +28,7 @@ import structlog
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
+from coordinator.codec.leader import Upstream
 from coordinator.contract.limits import Limits
 from coordinator.edge.plumbing import (
     RAW_CHUNKS,
@@ -182,17 +183,37 @@ class Relay(pb_grpc.CohortServiceServicer):
         rank_grace_s: float = 15.0,
         poll: bool = False,
     ) -> None:
-        self.upstream = upstream
+        # The coordinator, or its replicas (a:7070,b:7070): the one that leads is followed.
+        self.upstreams = Upstream(upstream, "--upstream")
         # A group goes upstream as one message: it is cut before it grows past this.
         self.max_message_bytes = max_message_bytes
-        # Keepalive upstream: a coordinator that stops answering (a black-holed link, whose
-        # close may be lost too) fails the group's call, and the relay re-joins it.
-        self.channel = (security or ClientSecurity()).aio_channel(
-            upstream, keepalive_client_options(rank_grace_s)
-        )
-        self.stub = pb_grpc.CohortServiceStub(self.channel)
+        self._security = security or ClientSecurity()
+        self._rank_grace_s = rank_grace_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._connect()
         # JoinPoll upstream (--upstream-rpc poll), until the upstream answers UNIMPLEMENTED
         self.polling = poll
+        self.window_s = window_s
+        self.local_ranks = local_ranks
+        self._pending: dict[GroupKey, _Group] = {}
+        self._sent: dict[GroupKey, int] = {}  # ranks sent upstream per key, until a verdict
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def upstream(self) -> str:
+        return self.upstreams.current
+
+    def _connect(self) -> None:
+        """Calls go to the upstream tried now from here on (its channel made once)."""
+        addr = self.upstreams.current
+        if addr not in self._channels:
+            # Keepalive upstream: a coordinator that stops answering (a black-holed link,
+            # whose close may be lost too) fails the group's call, and the relay re-joins.
+            self._channels[addr] = self._security.aio_channel(
+                addr, keepalive_client_options(self._rank_grace_s)
+            )
+        self.channel = self._channels[addr]
+        self.stub = pb_grpc.CohortServiceStub(self.channel)
         # Uploads (whole or in chunks) pass through as the bytes the rank sent (see
         # RAW_CHUNKS): never decoded.
         service = pb.DESCRIPTOR.services_by_name["CohortService"]
@@ -204,11 +225,16 @@ class Relay(pb_grpc.CohortServiceServicer):
             for m in service.methods
             if m.name in RAW_CHUNKS
         }
-        self.window_s = window_s
-        self.local_ranks = local_ranks
-        self._pending: dict[GroupKey, _Group] = {}
-        self._sent: dict[GroupKey, int] = {}  # ranks sent upstream per key, until a verdict
-        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _follow(self, exc: grpc.aio.AioRpcError) -> bool:
+        """An UNAVAILABLE from the upstream: to the leader it named, or the next replica.
+        True when the group re-joins there at once."""
+        was = self.upstreams.current
+        wait = self.upstreams.failed(exc)
+        if self.upstreams.current != was:
+            log.info("upstream moved", was=was, now=self.upstreams.current)
+            self._connect()
+        return wait == 0.0
 
     def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
@@ -374,6 +400,8 @@ class Relay(pb_grpc.CohortServiceServicer):
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    if self._follow(exc):  # a standby named the leader, or another replica
+                        continue
                     # The link or the coordinator went (a partition, a restart): the
                     # ranks stay held here and the group re-joins once it answers again.
                     if group.lost is None:
@@ -388,6 +416,7 @@ class Relay(pb_grpc.CohortServiceServicer):
     async def _relayed(self, group: _Group, members: dict[int, _Rank]) -> bool:
         """The group's events to its ranks; True once the verdict went out."""
         async for event in self._upstream(group, members):
+            self.upstreams.reached()
             if group.lost is not None:
                 group.lost.over(group)
                 group.lost = None
@@ -434,4 +463,5 @@ class Relay(pb_grpc.CohortServiceServicer):
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await self.channel.close()
+        for channel in self._channels.values():
+            await channel.close()
