@@ -400,18 +400,24 @@ class Relay(pb_grpc.CohortServiceServicer):
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    if self._follow(exc):  # a standby named the leader, or another replica
-                        continue
-                    # The link or the coordinator went (a partition, a restart): the
-                    # ranks stay held here and the group re-joins once it answers again.
-                    if group.lost is None:
-                        group.lost = _Outage(self.upstream, group, exc.details() or "")
-                    await group.lost.wait(members, self._dispatch)
+                    await self._unavailable(group, members, exc)
                     continue
                 status = _Status(exc.code(), exc.details() or "")
             for events in {id(r.events): r.events for r in members.values()}.values():
                 events.put_nowait(status)
             return
+
+    async def _unavailable(
+        self, group: _Group, members: dict[int, _Rank], exc: grpc.aio.AioRpcError
+    ) -> None:
+        """Before the group re-joins: at once where a standby named the leader (or another
+        replica is untried); else the link or the coordinator went (a partition, a
+        restart), and the ranks stay held here until it answers again."""
+        if self._follow(exc):
+            return
+        if group.lost is None:
+            group.lost = _Outage(self.upstream, group, exc.details() or "")
+        await group.lost.wait(members, self._dispatch)
 
     async def _relayed(self, group: _Group, members: dict[int, _Rank]) -> bool:
         """The group's events to its ranks; True once the verdict went out."""
