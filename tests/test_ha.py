@@ -3,8 +3,11 @@ failover never splits a cohort's outcome (SIGKILL, SIGSTOP, a killed etcd)."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -226,6 +229,49 @@ def test_a_standby_answers_joins_with_the_leaders_address_which_the_agent_follow
             assert time.monotonic() < deadline, "the standby never saw the leader's verdict"
             time.sleep(0.2)
             status = status_json(standby)
+
+
+@pytest.mark.timeout(120)
+def test_explain_and_status_read_whichever_replica_answers_and_etcd_itself(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    prefix = etcd_prefix()
+    with replicas(tmp_path, etcd.endpoint, prefix, ttl=TTL) as group:
+        leader = wait_leader(group)
+        standby = next(r for r in group if r is not leader)
+        job = "explained"
+        verdicts = [None, None]
+
+        def rank(r: int) -> None:
+            wide = manifest_of(8) if r == 1 else M  # refused: a report to explain
+            verdicts[r] = agent_rank(leader.addr, job, r, 2, wide, timeout_s=30)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert all(v is not None and v.outcome == pb.Verdict.OUTCOME_REFUSED for v in verdicts)
+        cli = [sys.executable, "-m", "coordinator.cli"]
+
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
+
+        give_up = time.monotonic() + 10
+        while (asked := run("explain", job, "--addr", standby.addr, "--json")).returncode:
+            assert time.monotonic() < give_up, asked.stderr  # the standby catches up each 1 s
+            time.sleep(0.3)
+        from_etcd = run("explain", job, "--etcd", etcd.endpoint, "--etcd-prefix", prefix, "--json")
+        assert from_etcd.returncode == 0, from_etcd.stderr
+        for out in (asked.stdout, from_etcd.stdout):
+            record = json.loads(out)
+            assert record["cohort_id"] == verdicts[0].cohort_id  # type: ignore[union-attr]
+            assert record["outcome"] == "refused" and "signature" in record["report"]
+        listed = run("status", "--addr", f"{standby.addr},{leader.addr}", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert job in listed.stdout, "the leader was asked (a standby holds no cohorts)"
+        missing = run("explain", "nope", "--etcd", etcd.endpoint, "--etcd-prefix", prefix)
+        assert missing.returncode == 1 and "no verdict of job 'nope' in etcd" in missing.stderr
 
 
 def test_upstream_rotates_through_its_replicas_and_follows_a_named_leader() -> None:

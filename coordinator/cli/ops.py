@@ -17,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec.channel import ClientSecurity
+from coordinator.codec.leader import addresses
 from coordinator.codec.wire import STATE_NAMES
 from coordinator.contract.addr import DEFAULT_ADDR
 from coordinator.contract.errors import CoordinatorError
@@ -24,7 +25,10 @@ from coordinator.edge.replies import record_to_pb
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    addr_help = f"coordinator HOST:PORT (default $COHORTGATE_ADDR, else {DEFAULT_ADDR})"
+    addr_help = (
+        f"coordinator HOST:PORT, or its replicas a:7070,b:7070 (the leader is asked); default "
+        f"$COHORTGATE_ADDR, else {DEFAULT_ADDR}"
+    )
     token_help = "bearer token (default $COHORTGATE_TOKEN); TLS from $COHORTGATE_TLS_*"
     p = sub.add_parser("status", help="list cohorts (waiting and recently decided)")
     p.add_argument("job", nargs="?", default="", help="only this job")
@@ -52,11 +56,45 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "ask; if none answers, read $COHORTGATE_HISTORY or "
         "~/.local/state/cohortgate/history.sqlite, where `cohortgate run` keeps its verdicts)",
     )
+    p.add_argument(
+        "--etcd",
+        default=os.environ.get("COHORTGATE_ETCD", ""),
+        help="read the verdict history of active/standby replicas from these etcd endpoints "
+        "directly (default $COHORTGATE_ETCD; etcd TLS and user from $COHORTGATE_ETCD_*)",
+    )
+    p.add_argument(
+        "--etcd-prefix",
+        default=os.environ.get("COHORTGATE_ETCD_PREFIX", "/cohortgate/"),
+        help="the fleet's key prefix (default $COHORTGATE_ETCD_PREFIX, else /cohortgate/)",
+    )
     p.set_defaults(func=cmd_explain)
 
 
 def _addr(args: argparse.Namespace) -> str:
-    return str(args.addr or os.environ.get("COHORTGATE_ADDR") or DEFAULT_ADDR)
+    """The coordinator to ask; of active/standby replicas (a:7070,b:7070), the one that
+    leads (its CohortService is SERVING), else the first that answers."""
+    spec = str(args.addr or os.environ.get("COHORTGATE_ADDR") or DEFAULT_ADDR)
+    if "," not in spec:
+        return spec
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    replicas = addresses(spec, "--addr")
+    security = ClientSecurity.from_env(token=getattr(args, "token", None))
+    answered = []
+    for addr in replicas:
+        with security.channel(addr) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="cohortgate.v1.CohortService"),
+                    timeout=2,
+                    metadata=security.metadata,
+                )
+            except grpc.RpcError:
+                continue
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return addr
+        answered.append(addr)
+    return (answered or replicas)[0]
 
 
 def _fail(addr: str, exc: grpc.RpcError) -> int:
@@ -238,6 +276,26 @@ def _from_file(path: str, job: str, round_: int) -> pb.VerdictRecord | None:
     return None if row is None else record_to_pb(row)
 
 
+def _from_etcd(args: argparse.Namespace) -> pb.VerdictRecord | None:
+    """The verdict from etcd, as any replica reads it (OSError when etcd cannot be read)."""
+    from coordinator.edge.config import ServeConfig, from_env_and_flags
+    from coordinator.etcd.client import EtcdThread
+    from coordinator.state.backends import open_etcd_verdicts
+
+    flags = {"etcd": args.etcd, "etcd_prefix": args.etcd_prefix, "history": "off"}
+    settings = from_env_and_flags(ServeConfig, flags).etcd_settings
+    assert settings is not None
+    etcd = EtcdThread(settings)
+    try:
+        history = open_etcd_verdicts(
+            etcd, 36500, token=lambda: 0, lost=lambda why: None, readonly=True
+        )
+        row = history.get(args.job, args.round)
+    finally:
+        etcd.close()
+    return None if row is None else record_to_pb(row)
+
+
 def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int:
     try:
         record = _from_file(path, args.job, args.round)
@@ -247,6 +305,19 @@ def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int
     if record is None:
         which = f"round {args.round} of job {args.job!r}" if args.round else f"job {args.job!r}"
         print(f"cohortgate: no verdict of {which} in {path}", file=sys.stderr)
+        return 1
+    return record
+
+
+def _explain_etcd(args: argparse.Namespace) -> pb.VerdictRecord | int:
+    try:
+        record = _from_etcd(args)
+    except (OSError, ValueError, CoordinatorError) as exc:
+        print(f"cohortgate: cannot read the verdict history in etcd: {exc}", file=sys.stderr)
+        return 1
+    if record is None:
+        which = f"round {args.round} of job {args.job!r}" if args.round else f"job {args.job!r}"
+        print(f"cohortgate: no verdict of {which} in etcd {args.etcd}", file=sys.stderr)
         return 1
     return record
 
@@ -288,6 +359,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     record: pb.VerdictRecord | int
     if args.history:
         record = _explain_file(args.history, args)
+    elif args.etcd:
+        record = _explain_etcd(args)
     else:
         security = ClientSecurity.from_env(token=args.token)
         with security.channel(addr) as channel:
