@@ -92,6 +92,15 @@ class EtcdServer:
             self.proc.wait(timeout=10)
             self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: a hung etcd, whose connections stay open and answer nothing."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None:
             kill_group(self.proc)

@@ -468,9 +468,12 @@ def test_a_paused_leader_that_wakes_after_a_takeover_sends_nothing_and_steps_dow
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_with_etcd_killed_no_verdict_is_sent_unstored_and_launches_resume_once_it_is_back(
-    tmp_path: Path,
+    tmp_path: Path, fault: str
 ) -> None:
+    """etcd SIGKILLed (then started again), or hung (SIGSTOP, then SIGCONT: its calls time
+    out instead of failing at once, longer than a verdict would wait for SQLite)."""
     hold = tmp_path / "go"
     with etcd_server(tmp_path) as etcd:
         prefix = etcd_prefix()
@@ -480,13 +483,13 @@ def test_with_etcd_killed_no_verdict_is_sent_unstored_and_launches_resume_once_i
             proc, _ = held_job(tmp_path, addrs, "etcd-down", hold)
             try:
                 wait_joined(leader.addr, "etcd-down", 2, within=90)
-                etcd.kill()
+                etcd.kill() if fault == "kill" else etcd.pause()
                 hold.touch()  # the cohort completes while etcd is away
                 time.sleep(TTL + 2)
                 assert not any(r.leading for r in group), "a leader without etcd"
                 # decided while etcd was away: never stored, so never to be sent
                 unstored = {str(e["cohort_id"]) for r in group for e in r.events("cohort formed")}
-                etcd.start()
+                etcd.start() if fault == "kill" else etcd.resume()
                 (out,) = finish([proc], timeout=200)
             finally:
                 kill_group(proc)  # type: ignore[arg-type]

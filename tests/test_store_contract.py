@@ -218,6 +218,23 @@ def test_rounds_keep_counting_after_a_restart(open_verdicts: VerdictOpener) -> N
     assert again.get("j") is not None and again.get("j").round == 3  # type: ignore[union-attr]
 
 
+def test_a_verdict_past_the_retention_is_gone_once_the_store_reopens(
+    open_verdicts: VerdictOpener,
+) -> None:
+    """The bound on what a store keeps: verdicts decided longer ago than the retention (30
+    days by default) are deleted when a writing store opens (SQLite's writer; etcd's leader,
+    which also does it hourly), not kept forever."""
+    store = open_verdicts()
+    old = verdict_of("j", 1)
+    old = Verdict(**{**old.__dict__, "decided_at": time.time() - 31 * 86400})
+    record(store, old, {0: "a1"})
+    record(store, verdict_of("j", 2), {0: "a2"})
+    store.close()
+    again = open_verdicts()
+    assert [r.round for r in again.recent(10, "j")] == [2], "round 1 is past the retention"
+    assert again.verdict_of("j", "a1") is None and again.verdict_of("j", "a2") is not None
+
+
 def test_what_the_service_records_replays_through_a_new_coordinator(
     open_verdicts: VerdictOpener, clock: Clock
 ) -> None:

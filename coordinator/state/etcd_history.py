@@ -111,10 +111,12 @@ class EtcdHistory(VerdictStore):
         self._revision = 0  # etcd revision the cache has caught up to
         self._pending = 0
         self._error = ""
-        self._pruned_at = 0.0
+        self._pruned_at = float("-inf")  # monotonic: never yet
         self._closing = False
         try:
             self.etcd.run(self.catch_up(), timeout=30.0)
+            if self.token() and not readonly:  # as SQLite's writer does when it opens
+                self.etcd.run(self._prune_now_and_then(), timeout=30.0)
         except (EtcdError, TimeoutError) as exc:
             raise OSError(
                 f"--etcd {etcd.settings.endpoints}: cannot read the verdict history ({exc}); "
