@@ -265,6 +265,8 @@ def _too_large(request: pb.JoinRequest, details: str) -> str:
 
 def _transport(details: str) -> str:
     """grpc's long UNAVAILABLE text -> what went wrong, in words."""
+    if "standby" in details:  # a replica's own words (which may quote etcd's error)
+        return details
     for needle, words in (
         ("Connection refused", "connection refused (nothing listens there)"),
         ("Domain name not found", "host name not found"),
@@ -308,6 +310,12 @@ class _Reachability:
             f"cannot reach the cohortgate coordinator at {self.identity.addr}: {self.last}; "
             f"retrying until {until} (COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
         )
+        if "standby" in self.last:
+            message = (
+                f"no cohortgate coordinator at {self.identity.addr} leads now: {self.last}; "
+                f"asking again every second until {until} "
+                f"(COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
+            )
         if self.identity.rank == 0:
             _say(message)
         else:
@@ -317,7 +325,8 @@ class _Reachability:
         if self.upstream is not None:
             self.upstream.reached()
         if self.said_at is not None and self.identity.rank == 0:
-            _say(f"reached the cohortgate coordinator at {self.identity.addr}")
+            at = self.upstream.current if self.upstream is not None else self.identity.addr
+            _say(f"reached the cohortgate coordinator at {at}")
         self.failing_since = self.said_at = None
 
 

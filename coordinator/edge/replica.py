@@ -100,7 +100,7 @@ class Replica:
                 "follows it; give agents every replica in COHORTGATE_ADDR=a:7070,b:7070)",
                 leader,
             )
-        why = self.leadership.problem or "a failover is under way"
+        why = self.leadership.problem or self.history.problem or "a failover is under way"
         return NotLeader(f"this coordinator is a standby and no replica leads now ({why}); retry")
 
     def start(

@@ -181,6 +181,7 @@ class EtcdHistory(VerdictStore):
             try:
                 await self.catch_up()
                 self._cut_local()
+                self._error = ""
             except EtcdError as exc:
                 self._failed("read", exc)
 
