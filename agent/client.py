@@ -25,8 +25,10 @@ from coordinator.contract.settings import SettingError, env_seconds
 
 logger = logging.getLogger("cohortgate.agent")
 
-# Codes worth retrying: the coordinator restarted, is shutting down, or is not up yet.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Codes worth retrying: the coordinator restarted, is shutting down, or is not up yet. A
+# call the server cancelled (grpc ends the calls still open when a coordinator stops) is one
+# too: this client never cancels its own join.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 # Rank 0 reports progress no more often than this.
 PROGRESS_EVERY_S = 5.0
 

@@ -32,7 +32,7 @@ Prints a table and writes JSON.
 Usage: python bench/bench_scale.py --quick
        python bench/bench_scale.py [--ranks 256,4096] [--relay 1] [--node 0] [--procs 3]
        [--signatures 1] [--entries 200] [--peers tcpstore,lighthouse,floor] [--repeats 3] [--bare]
-       [--json PATH]
+       [--etcd local|ENDPOINTS] [--json PATH]
 """
 
 from __future__ import annotations
@@ -247,6 +247,7 @@ def run_cohortgate(
     *,
     floor: bool = False,
     rpc: str = "stream",
+    etcd: str = "",
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         # Production settings: history (SQLite) and metrics on, info logs (to /dev/null);
@@ -261,6 +262,8 @@ def run_cohortgate(
                 str(Path(tmp) / "history.sqlite"),
             ]
         )
+        if etcd:  # one replica on etcd: the verdict history there, writes fenced
+            flags += ["--etcd", etcd, "--etcd-prefix", f"/bench-{os.getpid()}-{time.time_ns()}/"]
         server, port = spawn(
             Path(tmp) / "port",
             [] if floor else flags,
@@ -270,6 +273,8 @@ def run_cohortgate(
         )
         try:
             addr = f"127.0.0.1:{port}"
+            if etcd:
+                _wait_leading(addr)
             cpu0, _ = _proc_cpu_rss(server.pid)
             results = _workers(
                 _client_proc,
@@ -289,7 +294,7 @@ def run_cohortgate(
     for r in results:
         for k, v in r["outcomes"].items():
             outcomes[k] = outcomes.get(k, 0) + v
-    name = "floor" if floor else "cohortgate"
+    name = "floor" if floor else ("cohortgate+etcd" if etcd else "cohortgate")
     return {
         "system": (name if relay == 1 else f"{name}/relay{relay}") + ("/bare" if bare else ""),
         "ranks": n,
@@ -304,6 +309,30 @@ def run_cohortgate(
         "verdicts": sum(r["verdicts"] for r in results),
         "outcomes": outcomes,
     }
+
+
+def _wait_leading(addr: str) -> None:
+    """Until the replica leads (its CohortService is SERVING)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    give_up = time.monotonic() + 30
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="cohortgate.v1.CohortService")
+        while stub.Check(request, timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"the replica at {addr} never led")
+            time.sleep(0.05)
+
+
+def _local_etcd(tmp: str) -> Any:
+    """Debian's etcd on free loopback ports (make system-deps unpacks it into .venv/etcd)."""
+    from tests.etcd import EtcdServer
+
+    etcd_bin = REPO / ".venv" / "etcd" / "usr" / "bin"
+    os.environ["PATH"] = f"{etcd_bin}:{os.environ['PATH']}"
+    return EtcdServer(Path(tmp) / "etcd").start()
 
 
 async def _hop_cohort(addrs: list[str], job: str, size: int) -> float:
@@ -624,8 +653,11 @@ def _print_table(rows: list[dict[str, Any]], hop: dict[str, float] | None) -> No
     ours = {
         r["ranks"]: r
         for r in rows
-        if r["system"].startswith("cohortgate") and not r["system"].endswith("/bare")
+        if r["system"].startswith("cohortgate")
+        and not r["system"].endswith("/bare")
+        and "+etcd" not in r["system"]
     }
+    _print_ha(rows, ours)
     extra = hop["hop_s"] if hop else 0.0
     floors = {r["ranks"]: r for r in rows if r["system"].startswith("floor")}
     for n, floor in floors.items():
@@ -649,6 +681,37 @@ def _print_table(rows: list[dict[str, Any]], hop: dict[str, float] | None) -> No
                     f"{r['ranks']} ranks: floor / {r['system']} (what the stack alone costs) = "
                     f"{floor_s / r['first_join_to_done_s']:.2f}"
                 )
+
+
+def _print_ha(rows: list[dict[str, Any]], ours: dict[int, dict[str, Any]]) -> None:
+    for r in rows:
+        if "+etcd" in r["system"] and r["ranks"] in ours:
+            base = ours[r["ranks"]]
+            print(
+                f"{r['ranks']} ranks: cohortgate on etcd / on SQLite (the cost of HA) = "
+                f"{r['first_join_to_done_s'] / base['first_join_to_done_s']:.2f} first join "
+                f"to done, {r['coordinator_cpu_s'] / base['coordinator_cpu_s']:.2f} server CPU"
+            )
+
+
+def _one_round(
+    n: int, args: argparse.Namespace, peers: list[str], etcd: str, runs: dict[str, list[Any]]
+) -> None:
+    """One run of every system at `n` ranks (interleaved, so drift hits every one alike)."""
+    same = (n, args.procs, args.entries, args.signatures, args.relay)
+    runs["cohortgate"].append(run_cohortgate(*same, rpc=args.rpc))
+    if etcd:
+        runs.setdefault("cohortgate+etcd", []).append(
+            run_cohortgate(*same, rpc=args.rpc, etcd=etcd)
+        )
+    if args.bare:
+        runs.setdefault("bare", []).append(run_cohortgate(*same, True, rpc=args.rpc))
+    if "floor" in peers:
+        runs["floor"].append(run_floor(n, args.procs, args.entries, args.relay, args.rpc))
+    if "tcpstore" in peers:
+        runs["tcpstore"].append(run_tcpstore(n, args.procs, args.relay))
+    if "lighthouse" in peers:
+        runs["lighthouse"].append(run_lighthouse(n, args.procs, args.relay))
 
 
 def main() -> int:
@@ -684,6 +747,12 @@ def main() -> int:
         action="store_true",
         help="also run the coordinator without history, metrics and info logs (their cost)",
     )
+    parser.add_argument(
+        "--etcd",
+        default="",
+        help="also run cohortgate as one replica on etcd (the cost of HA, beside SQLite in "
+        "the same run): etcd endpoints, or 'local' to start Debian's etcd here",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/results/scale.json"))
     parser.add_argument(
         "--quick",
@@ -701,29 +770,19 @@ def main() -> int:
     if "lighthouse" in peers and _torchft() is None:
         print("torchft is not installed (pip install --no-deps torchft==0.2.0): no Lighthouse")
         peers.remove("lighthouse")
+    etcd_dir = tempfile.TemporaryDirectory()
+    etcd_server = _local_etcd(etcd_dir.name) if args.etcd == "local" else None
+    etcd = etcd_server.endpoint if etcd_server is not None else args.etcd
     rows: list[dict[str, Any]] = []
     for n in [int(x) for x in args.ranks.split(",")]:
         runs: dict[str, list[dict[str, Any]]] = {"cohortgate": []}
         runs.update({p: [] for p in peers})
-        for _ in range(args.repeats):  # interleaved, so drift hits every system alike
-            runs["cohortgate"].append(
-                run_cohortgate(
-                    n, args.procs, args.entries, args.signatures, args.relay, rpc=args.rpc
-                )
-            )
-            if args.bare:
-                runs.setdefault("bare", []).append(
-                    run_cohortgate(
-                        n, args.procs, args.entries, args.signatures, args.relay, True, rpc=args.rpc
-                    )
-                )
-            if "floor" in peers:
-                runs["floor"].append(run_floor(n, args.procs, args.entries, args.relay, args.rpc))
-            if "tcpstore" in peers:
-                runs["tcpstore"].append(run_tcpstore(n, args.procs, args.relay))
-            if "lighthouse" in peers:
-                runs["lighthouse"].append(run_lighthouse(n, args.procs, args.relay))
+        for _ in range(args.repeats):
+            _one_round(n, args, peers, etcd, runs)
         rows += [_medians(results) for results in runs.values()]
+    if etcd_server is not None:
+        etcd_server.stop()
+    etcd_dir.cleanup()
     hop = measure_hop(args.relay, args.node) if args.relay > 1 else None
     _print_table(rows, hop)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -399,7 +399,9 @@ class Relay(pb_grpc.CohortServiceServicer):
                     continue
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                # (CANCELLED: by the upstream, as a coordinator stops; our own cancel, a
+                # rank that left, ends the iteration with CancelledError above)
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     await self._unavailable(group, members, exc)
                     continue
                 status = _Status(exc.code(), exc.details() or "")

@@ -67,10 +67,12 @@ class RunningServer:
             task.cancel()
         await self.health.enter_graceful_shutdown()
         self.coordinator.close()
+        if self.replica is not None:  # the lead goes to a standby now, not after the grace
+            await asyncio.to_thread(self.replica.resign)
         await self.server.stop(grace)
         if self.metrics is not None:
             await self.metrics.stop()
-        if self.replica is not None:  # the lead is handed over (the lease revoked) now
+        if self.replica is not None:
             await asyncio.to_thread(self.replica.close)
             return
         history = self.coordinator.observer.history
