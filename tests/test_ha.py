@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
@@ -272,6 +272,48 @@ def test_explain_and_status_read_whichever_replica_answers_and_etcd_itself(
         assert job in listed.stdout, "the leader was asked (a standby holds no cohorts)"
         missing = run("explain", "nope", "--etcd", etcd.endpoint, "--etcd-prefix", prefix)
         assert missing.returncode == 1 and "no verdict of job 'nope' in etcd" in missing.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_leader_stopped_with_sigterm_hands_over_at_once_and_no_rank_is_lost(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """SIGTERM (a rolling update): the leader revokes its lease before its gRPC grace, so a
+    standby leads well within the TTL (10 s here); ranks that join while it stops (their
+    calls cancelled by grpc) retry and form there."""
+    with replicas(tmp_path, etcd.endpoint, etcd_prefix(), 2, 10, "--grace", "30") as group:
+        leader = wait_leader(group)
+        standby = next(r for r in group if r is not leader)
+        addrs = f"{leader.addr},{standby.addr}"
+        verdicts: dict[int, object] = {}
+        # a call that stays open through the grace (a health watch): the lead must not wait
+        watching = grpc.insecure_channel(leader.addr)
+        watch = health_pb2_grpc.HealthStub(watching).Watch(health_pb2.HealthCheckRequest())
+        next(watch)
+
+        def rank(r: int) -> None:
+            try:
+                verdicts[r] = agent_rank(addrs, "rolled", r, 8, M, timeout_s=60)
+            except Exception as exc:
+                verdicts[r] = exc
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(8)]
+        for t in threads[:4]:
+            t.start()
+        wait_joined(leader.addr, "rolled", 4)
+        leader.signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        for t in threads[4:]:
+            t.start()
+        while not standby.leading:
+            assert time.monotonic() - stopped < 5, "the lead waited for the lease to expire"
+            time.sleep(0.02)
+        for t in threads:
+            t.join(60)
+        outcomes = {r: getattr(v, "outcome", v) for r, v in verdicts.items()}
+        assert outcomes == dict.fromkeys(range(8), pb.Verdict.OUTCOME_FORMED), outcomes
+        watching.close()
 
 
 def test_upstream_rotates_through_its_replicas_and_follows_a_named_leader() -> None:
