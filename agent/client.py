@@ -315,7 +315,7 @@ class _Reachability:
         if "standby" in self.last:
             message = (
                 f"no cohortgate coordinator at {self.identity.addr} leads now: {self.last}; "
-                f"asking again every second until {until} "
+                f"asking again every half second until {until} "
                 f"(COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
             )
         if self.identity.rank == 0:

@@ -48,9 +48,16 @@ class Replica:
 
 @contextlib.contextmanager
 def replicas(
-    tmp: Path, endpoint: str, prefix: str, n: int = 2, ttl: int = 2, *flags: str
+    tmp: Path,
+    endpoint: str,
+    prefix: str,
+    n: int = 2,
+    ttl: int = 2,
+    *flags: str,
+    wait: bool = True,
 ) -> Iterator[list[Replica]]:
-    """`n` replicas on one etcd (the first started leads: the others start once it does)."""
+    """`n` replicas on one etcd (the first started leads: the others start once it does;
+    `wait=False`: nobody waits for a leader)."""
     with contextlib.ExitStack() as stack:
         started: list[Replica] = []
         for _ in range(n):
@@ -69,7 +76,7 @@ def replicas(
                 )
             )
             started.append(Replica(addr, log, serving_pid(log)))
-            if len(started) == 1:
+            if len(started) == 1 and wait:
                 wait_leader(started)
         yield started
 

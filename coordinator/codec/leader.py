@@ -5,14 +5,17 @@ address (a Kubernetes Service that routes to the ready replica) works as before.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from coordinator.contract.addr import split_host_port
 from coordinator.contract.settings import SettingError
 
 LEADER_KEY = "cohortgate-leader"
-# While no replica leads (a failover, etcd away), a client asks again this often at most.
-NO_LEADER_RETRY_S = 1.0
+# While no replica leads (a failover, etcd away), a client asks again within this (jittered
+# down to half of it, so a job's ranks do not ask in lockstep): the first verdict after a
+# takeover comes at most this long after the new leader leads.
+NO_LEADER_RETRY_S = 0.5
 
 
 def addresses(spec: str, what: str = "COHORTGATE_ADDR") -> list[str]:
@@ -63,8 +66,9 @@ class Upstream:
 
     def failed(self, error: Any) -> float | None:
         """After an UNAVAILABLE from `current`: move to the leader it named, or to the next
-        address. Returns 0 to retry at once, NO_LEADER_RETRY_S while a standby says no
-        replica leads, or None to back off as the caller does (every address failed)."""
+        address. Returns 0 to retry at once, a pause of at most NO_LEADER_RETRY_S while a
+        standby says no replica leads, or None to back off as the caller does (every
+        address failed)."""
         leader = leader_of(error)
         self._tried.add(self.current)
         if leader and leader not in self._tried:  # (two stale standbys never ping-pong)
@@ -77,7 +81,7 @@ class Upstream:
             if self.current not in self._tried:
                 return 0.0
         self._tried.clear()
-        return NO_LEADER_RETRY_S if standby else None
+        return random.uniform(0.5, 1.0) * NO_LEADER_RETRY_S if standby else None
 
     def __str__(self) -> str:
         return self.current if not self.several else f"{self.current} (of {','.join(self.addrs)})"
