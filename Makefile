@@ -23,14 +23,14 @@ demo: venv
 	$(PY) examples/demo.py
 
 ## system-deps: Debian's chromium (installed: it enables no service), prometheus with
-## promtool and etcd-server (each unpacked into $(VENV) only: their packages would enable
+## promtool, etcd-server and etcd-client (unpacked into $(VENV) only: the packages would enable
 ## and start prometheus.service and etcd.service, etcd on port 2379), which the operations
 ## and failover tests drive; the tests start their own etcd on free loopback ports
 PROM := $(VENV)/prometheus/usr/bin
 ETCD := $(VENV)/etcd/usr/bin
 TEST_PATH := $(abspath $(PROM)):$(abspath $(ETCD))
 system-deps: venv
-	@if ! command -v chromium >/dev/null || ! [ -x $(PROM)/promtool ] || ! [ -x $(ETCD)/etcd ]; then \
+	@if ! command -v chromium >/dev/null || ! [ -x $(PROM)/promtool ] || ! [ -x $(ETCD)/etcdctl ]; then \
 	  if ! command -v apt-get >/dev/null; then \
 	    echo "install chromium, and put prometheus and promtool in $(PROM):" \
 	      "the operations tests need them" >&2; exit 1; fi; \
@@ -45,10 +45,11 @@ system-deps: venv
 	  rm -rf $(VENV)/debs && mkdir -p $(VENV)/debs && \
 	  (cd $(VENV)/debs && apt-get download -q prometheus) && \
 	  dpkg-deb -x $(VENV)/debs/prometheus_*.deb $(VENV)/prometheus; fi; \
-	if ! [ -x $(ETCD)/etcd ]; then \
+	if ! [ -x $(ETCD)/etcd ] || ! [ -x $(ETCD)/etcdctl ]; then \
 	  rm -rf $(VENV)/etcd-debs && mkdir -p $(VENV)/etcd-debs && \
-	  (cd $(VENV)/etcd-debs && apt-get download -q etcd-server) && \
-	  dpkg-deb -x $(VENV)/etcd-debs/etcd-server_*.deb $(VENV)/etcd; fi
+	  (cd $(VENV)/etcd-debs && apt-get download -q etcd-server etcd-client) && \
+	  dpkg-deb -x $(VENV)/etcd-debs/etcd-server_*.deb $(VENV)/etcd && \
+	  dpkg-deb -x $(VENV)/etcd-debs/etcd-client_*.deb $(VENV)/etcd; fi
 
 ## test: everything CI runs: generated-code check, ruff, import contracts, mypy, pytest
 ## (every tier), with the 15 slowest tests printed

@@ -19,18 +19,27 @@ from tests.helpers import free_port, kill_group, program
 class EtcdServer:
     """One etcd member on 127.0.0.1; `kill()` and `start()` again keep its ports and data."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, pki: Path | None = None) -> None:
         self.data = data
+        self.pki = pki  # serve clients over TLS with pki's server certificate
         self.client_port, self.peer_port = free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data.with_suffix(".log")
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.pki else 'http'}://127.0.0.1:{self.client_port}"
 
     def start(self, wait: bool = True) -> EtcdServer:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = self.endpoint, f"http://127.0.0.1:{self.peer_port}"
+        tls = []
+        if self.pki is not None:
+            tls = [
+                "--cert-file",
+                str(self.pki / "server.pem"),
+                "--key-file",
+                str(self.pki / "server.key"),
+            ]
         name = "cg-test"
         command = [
             program("etcd"),
@@ -53,6 +62,7 @@ class EtcdServer:
             # no metrics or debug listeners of its own: loopback only, nothing else
             "--log-level",
             "warn",
+            *tls,
         ]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -73,13 +83,21 @@ class EtcdServer:
         from coordinator.etcd import etcd_pb2_grpc as epb_grpc
 
         give_up = time.monotonic() + timeout
-        with grpc.insecure_channel(f"127.0.0.1:{self.client_port}") as channel:
+        target = f"127.0.0.1:{self.client_port}"
+        if self.pki is not None:
+            ca = grpc.ssl_channel_credentials((self.pki / "ca.pem").read_bytes())
+            channel = grpc.secure_channel(target, ca)
+        else:
+            channel = grpc.insecure_channel(target)
+        with channel:
             kv = epb_grpc.KVStub(channel)
             while True:
                 try:
                     kv.Range(epb.RangeRequest(key=b"ready?"), timeout=1.0)
                     return
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        return  # up, with authentication on
                     assert self.proc is not None
                     if self.proc.poll() is not None or time.monotonic() > give_up:
                         raise RuntimeError(f"etcd did not start: {self.log.read_text()}") from None
@@ -91,6 +109,19 @@ class EtcdServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def etcdctl(self, *args: str) -> str:
+        """Debian's etcdctl against this member (as root, once authentication is on)."""
+        tls = ["--cacert", str(self.pki / "ca.pem")] if self.pki is not None else []
+        done = subprocess.run(
+            [program("etcdctl"), "--endpoints", self.endpoint, *tls, *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "ETCDCTL_API": "3"},
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
 
     def pause(self) -> None:
         """SIGSTOP: a hung etcd, whose connections stay open and answer nothing."""

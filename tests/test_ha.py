@@ -339,6 +339,37 @@ def test_a_replica_started_while_etcd_is_away_stands_by_then_leads_once_it_is_ba
         etcd.stop()
 
 
+@pytest.mark.timeout(120)
+def test_replicas_reach_etcd_over_tls_with_a_user_and_a_wrong_password_is_named(
+    tmp_path: Path, pki: Path
+) -> None:
+    """etcd serving TLS only, authentication on (user root): a replica with the CA and the
+    user's password file leads and forms a job; one with a wrong password stands by, its
+    joins told that etcd refused it."""
+    etcd = EtcdServer(tmp_path / "tls-etcd", pki=pki).start()
+    try:
+        etcd.etcdctl("user", "add", "root", "--new-user-password", "s3cret")
+        etcd.etcdctl("auth", "enable")
+        (tmp_path / "pw").write_text("s3cret\n")
+        (tmp_path / "bad").write_text("wrong\n")
+        auth = ["--etcd-ca", str(pki / "ca.pem"), "--etcd-user", "root"]
+        prefix = etcd_prefix()
+        good = [*auth, "--etcd-password-file", str(tmp_path / "pw")]
+        with replicas(tmp_path, etcd.endpoint, prefix, 1, TTL, *good) as (leader,):
+            verdict = agent_rank(leader.addr, "over-tls", 0, 1, M, timeout_s=30)
+            assert verdict.outcome == pb.Verdict.OUTCOME_FORMED
+            bad = [*auth, "--etcd-password-file", str(tmp_path / "bad")]
+            with replicas(tmp_path, etcd.endpoint, prefix, 1, TTL, *bad, wait=False) as (no,):
+                time.sleep(1.0)
+                assert no.health() == NOT_SERVING
+                with grpc.insecure_channel(no.addr) as channel, pytest.raises(grpc.RpcError) as e:
+                    list(pb_grpc.CohortServiceStub(channel).Join(join_request("j", 0, 1, M)))
+                said = e.value.details() or ""
+                assert "authentication failed" in said and "etcd at 127.0.0.1" in said, said
+    finally:
+        etcd.stop()
+
+
 def test_upstream_rotates_through_its_replicas_and_follows_a_named_leader() -> None:
     class Refusal:
         def __init__(self, leader: str = "", details: str = "") -> None:

@@ -124,18 +124,24 @@ class Etcd:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if tls or self.settings.ca is not None:
-            self._channel = grpc.aio.secure_channel(target, self._credentials(), options)
+            channel = grpc.aio.secure_channel(target, self._credentials(), options)
         else:
-            self._channel = grpc.aio.insecure_channel(target, options)
-        self.kv = epb_grpc.KVStub(self._channel)
-        self.lease = epb_grpc.LeaseStub(self._channel)
-        if self.settings.user:
-            auth = epb_grpc.AuthStub(self._channel)
-            reply = await auth.Authenticate(
-                epb.AuthenticateRequest(name=self.settings.user, password=self.settings.password),
-                timeout=self.settings.timeout_s,
-            )
+            channel = grpc.aio.insecure_channel(target, options)
+        if self.settings.user:  # a channel is used only once its user is authenticated
+            try:
+                reply = await epb_grpc.AuthStub(channel).Authenticate(
+                    epb.AuthenticateRequest(
+                        name=self.settings.user, password=self.settings.password
+                    ),
+                    timeout=self.settings.timeout_s,
+                )
+            except BaseException:
+                await channel.close(grace=None)
+                raise
             self._token = reply.token
+        self._channel = channel
+        self.kv = epb_grpc.KVStub(channel)
+        self.lease = epb_grpc.LeaseStub(channel)
 
     async def _next(self) -> None:
         """Drop the channel; the next call opens one to the next endpoint."""
