@@ -192,6 +192,11 @@ def _coordinator(config: ServeConfig) -> tuple[Coordinator, Replica | None]:
     replica = None
     etcd = config.etcd_settings
     if etcd is not None:
+        if "history" in config.model_fields_set:
+            log.warning(
+                "--history is not used with --etcd: the verdict history is kept in etcd",
+                history=config.history,
+            )
         replica = Replica(
             etcd,
             ttl_s=config.leader_ttl,
