@@ -99,13 +99,22 @@ def stamp(event: dict[str, object]) -> float:
     return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
-def status_json(replica: Replica) -> dict[str, object]:
-    """/status.json of a replica (its metrics port, from the port file's second line)."""
+def _http(replica: Replica, path: str) -> bytes:
+    """GET `path` from a replica's HTTP port (named in its 'serving' log line)."""
     import urllib.request
 
-    for line in replica.log.read_text().splitlines():
-        if '"serving"' in line:
-            metrics = json.loads(line)["metrics"]
-            with urllib.request.urlopen(f"http://{metrics}/status.json", timeout=5) as reply:
-                return dict(json.loads(reply.read()))
-    raise AssertionError("no serving line")
+    (serving,) = replica.events("serving")
+    with urllib.request.urlopen(f"http://{serving['metrics']}{path}", timeout=5) as reply:
+        return bytes(reply.read())
+
+
+def status_json(replica: Replica) -> dict[str, object]:
+    return dict(json.loads(_http(replica, "/status.json")))
+
+
+def metric(replica: Replica, series: str) -> float:
+    """The value of one series in a replica's /metrics (0 when it has no sample)."""
+    for line in _http(replica, "/metrics").decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0

@@ -143,12 +143,19 @@ class Etcd:
         self.kv = epb_grpc.KVStub(channel)
         self.lease = epb_grpc.LeaseStub(channel)
 
-    async def _next(self) -> None:
-        """Drop the channel; the next call opens one to the next endpoint."""
-        channel, self._channel, self._token = self._channel, None, ""
+    async def _next(self, failed: grpc.aio.Channel | None) -> None:
+        """The call on `failed` found it broken: drop it (once, whichever of its calls
+        fails first); the next call opens a channel to the next endpoint. The calls still
+        on it end as cancelled (call() turns that into EtcdError)."""
+        if failed is None or failed is not self._channel:
+            return  # dropped already, by another call that failed on it
+        self._channel, self._token = None, ""
         self._at = (self._at + 1) % len(self.endpoints)
-        if channel is not None:
-            await channel.close(grace=None)
+        await self._close(failed)
+
+    @staticmethod
+    async def _close(channel: grpc.aio.Channel) -> None:
+        await channel.close(grace=None)
 
     def _metadata(self) -> Sequence[tuple[str, str]]:
         return (("token", self._token),) if self._token else ()
@@ -157,9 +164,10 @@ class Etcd:
         self, what: str, rpc: Callable[[Sequence[tuple[str, str]], float], Awaitable[_T]]
     ) -> _T:
         """`rpc(metadata, timeout)` on the current endpoint; EtcdError when it fails."""
-        endpoint = self.endpoint
+        endpoint, channel = self.endpoint, None
         try:
             await self._open()
+            channel = self._channel
             return await rpc(self._metadata(), self.settings.timeout_s)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -169,12 +177,18 @@ class Etcd:
                 grpc.StatusCode.UNAUTHENTICATED,
                 grpc.StatusCode.CANCELLED,
             ):
-                await self._next()
+                await self._next(channel)
             raise EtcdError(
                 f"etcd at {endpoint}: {what} failed: {code.name}: {exc.details()}"
             ) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this task is being cancelled (closing): not etcd's failure
+            # the call's channel was closed under it: another call found it broken
+            raise EtcdError(f"etcd at {endpoint}: {what} failed: its channel broke") from None
         except (OSError, ValueError) as exc:  # TLS files unreadable, a bad address
-            await self._next()
+            await self._next(channel)
             raise EtcdError(f"etcd at {endpoint}: {what} failed: {exc}") from None
 
     # -- the calls we use ------------------------------------------------------------------

@@ -92,6 +92,10 @@ class Leadership:
             except EtcdError as exc:
                 self.problem = str(exc)
                 self._failed("leadership", exc)
+            except Exception as exc:  # a bug: logged whole, and the loop goes on
+                log.exception("leadership loop error; campaigning on")
+                self.problem = f"{type(exc).__name__}: {exc}"
+                self._failed("leadership", exc)
             self._expire()
             await asyncio.sleep(self._interval())
 

@@ -192,6 +192,9 @@ class EtcdHistory(VerdictStore):
                 self._error = ""
             except EtcdError as exc:
                 self._failed("read", exc)
+            except Exception as exc:  # a bug: logged whole, and the loop goes on
+                log.exception("etcd history refresh error; retried")
+                self._failed("read", exc)
 
     async def _prune_now_and_then(self) -> None:
         if time.monotonic() - self._pruned_at < PRUNE_EVERY_S:
