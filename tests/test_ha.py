@@ -177,7 +177,7 @@ def test_a_replica_that_no_longer_leads_stores_no_verdict_and_steps_down(
         store.record(VerdictRow.of(verdict_of("j", 1), {0: "a"}), written.set)
         assert store.flush(5)
         assert not written.is_set(), "a verdict written without the lead"
-        assert lost and "no longer this replica's" in lost[0]
+        assert lost and "no longer this replica" in lost[0]
         stored = thread.run(
             thread.client.range(
                 settings.key_prefix + b"v/", prefix_end(settings.key_prefix + b"v/")

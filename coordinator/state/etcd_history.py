@@ -22,6 +22,7 @@ import json
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from urllib.parse import quote
@@ -52,6 +53,7 @@ PRUNE_EVERY_S = 3600.0
 PAGE = 256  # keys per Range page when catching up
 WRITE_TRIES = 3
 READ_WAIT_S = 0.5  # a read of an old record, from the event loop: never longer
+UNPACKED = 16  # records kept unpacked (the last read), whatever their size
 _MAGIC = b"cg1"
 _LISTED = ("cohort_id", "job_id", "round", "outcome", "cause", "reason", "report")
 
@@ -109,6 +111,7 @@ class EtcdHistory(VerdictStore):
         self.listeners: list[ErrorListener] = []
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[int, _Entry]] = {}
+        self._unpacked: OrderedDict[tuple[str, int], tuple[str | None, str]] = OrderedDict()
         self._revision = 0  # etcd revision the cache has caught up to
         self._pending = 0
         self._error = ""
@@ -176,6 +179,7 @@ class EtcdHistory(VerdictStore):
         with self._lock:
             rounds = self._jobs.setdefault(entry.row.job_id, {})
             rounds[entry.row.round] = entry
+            self._unpacked.pop((entry.row.job_id, entry.row.round), None)
             newest = sorted(rounds, reverse=True)
             for old in newest[KEEP_RECORDS:]:
                 rounds[old].packed = None
@@ -275,7 +279,7 @@ class EtcdHistory(VerdictStore):
                 await asyncio.sleep(0.2)
                 continue
             if parts is None:
-                self._lost("the leader key is no longer this replica's (another leads)")
+                self._lost("the leader key is no longer this replica's, or the round was stored")
             return parts
         return None
 
@@ -292,8 +296,9 @@ class EtcdHistory(VerdictStore):
             head = {k: getattr(row, k) for k in _LISTED}
             head |= {"world_size": row.world_size, "decided_at": row.decided_at}
             value = json.dumps({"row": head, "parts": len(parts)}).encode()
+        # Fenced, and never over another verdict of the round (one round, one verdict).
         reply = await self.etcd.client.txn(
-            [created_at(self.leader_key, token)], [put_op(key, value)]
+            [created_at(self.leader_key, token), created_at(key, 0)], [put_op(key, value)]
         )
         return len(parts) if reply.succeeded else None
 
@@ -337,15 +342,29 @@ class EtcdHistory(VerdictStore):
             return self._pending
 
     def _record_of(self, entry: _Entry) -> tuple[str | None, str]:
-        if entry.packed is None:
+        """(the verdict's JSON, its members' text): unpacked once for the last UNPACKED
+        records read (a failover's re-joining ranks each look their verdict up), read from
+        etcd only for a record not held (an old round, or one in parts)."""
+        key = (entry.row.job_id, entry.row.round)
+        with self._lock:
+            body = self._unpacked.get(key)
+            if body is not None:
+                self._unpacked.move_to_end(key)
+                return body
+        packed = entry.packed
+        if packed is None:
             try:
                 packed = self.etcd.run(self._load(entry), timeout=READ_WAIT_S)
             except (EtcdError, TimeoutError) as exc:
                 raise Unavailable(
                     f"the verdict history in etcd cannot be read now ({exc}); retry"
                 ) from None
-            return _Entry(entry.row, 0, packed).unpacked()
-        return entry.unpacked()
+        body = _Entry(entry.row, 0, packed).unpacked()
+        with self._lock:
+            self._unpacked[key] = body
+            while len(self._unpacked) > UNPACKED:
+                self._unpacked.popitem(last=False)
+        return body
 
     def get(self, job_id: str, round_: int = 0) -> VerdictRow | None:
         with self._lock:
