@@ -8,7 +8,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -296,30 +296,28 @@ def _from_etcd(args: argparse.Namespace) -> pb.VerdictRecord | None:
     return None if row is None else record_to_pb(row)
 
 
-def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int:
+def _explain_from(
+    where: str, read: Callable[[], pb.VerdictRecord | None], args: argparse.Namespace
+) -> pb.VerdictRecord | int:
+    """The verdict `read()` finds (a history file, etcd), or 1 with what went wrong."""
     try:
-        record = _from_file(path, args.job, args.round)
-    except (OSError, CoordinatorError) as exc:
-        print(f"cohortgate: cannot read the history file {path}: {exc}", file=sys.stderr)
+        record = read()
+    except (OSError, ValueError, CoordinatorError) as exc:
+        print(f"cohortgate: cannot read the verdict history in {where}: {exc}", file=sys.stderr)
         return 1
     if record is None:
         which = f"round {args.round} of job {args.job!r}" if args.round else f"job {args.job!r}"
-        print(f"cohortgate: no verdict of {which} in {path}", file=sys.stderr)
+        print(f"cohortgate: no verdict of {which} in {where}", file=sys.stderr)
         return 1
     return record
+
+
+def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int:
+    return _explain_from(path, lambda: _from_file(path, args.job, args.round), args)
 
 
 def _explain_etcd(args: argparse.Namespace) -> pb.VerdictRecord | int:
-    try:
-        record = _from_etcd(args)
-    except (OSError, ValueError, CoordinatorError) as exc:
-        print(f"cohortgate: cannot read the verdict history in etcd: {exc}", file=sys.stderr)
-        return 1
-    if record is None:
-        which = f"round {args.round} of job {args.job!r}" if args.round else f"job {args.job!r}"
-        print(f"cohortgate: no verdict of {which} in etcd {args.etcd}", file=sys.stderr)
-        return 1
-    return record
+    return _explain_from(f"etcd {args.etcd}", lambda: _from_etcd(args), args)
 
 
 def _explain_from_files(
