@@ -97,6 +97,7 @@ class Etcd:
         self._at = 0
         self._channel: grpc.aio.Channel | None = None
         self._token: str = ""
+        self._closing: set[asyncio.Future[None]] = set()
         self.kv: epb_grpc.KVStub
         self.lease: epb_grpc.LeaseStub
 
@@ -151,11 +152,12 @@ class Etcd:
             return  # dropped already, by another call that failed on it
         self._channel, self._token = None, ""
         self._at = (self._at + 1) % len(self.endpoints)
-        await self._close(failed)
-
-    @staticmethod
-    async def _close(channel: grpc.aio.Channel) -> None:
-        await channel.close(grace=None)
+        # Closed in the background, never awaited here: grpc's close of a channel whose
+        # calls are being cancelled was seen to never return (both replicas' leadership
+        # loops stuck in it after a hung etcd came back).
+        task = asyncio.ensure_future(_close(failed))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _metadata(self) -> Sequence[tuple[str, str]]:
         return (("token", self._token),) if self._token else ()
@@ -168,7 +170,15 @@ class Etcd:
         try:
             await self._open()
             channel = self._channel
-            return await rpc(self._metadata(), self.settings.timeout_s)
+            # grpc's deadline ends the call; this bounds whatever else an await may do
+            return await asyncio.wait_for(
+                rpc(self._metadata(), self.settings.timeout_s), self.settings.timeout_s + 1.0
+            )
+        except TimeoutError:
+            await self._next(channel)
+            raise EtcdError(
+                f"etcd at {endpoint}: {what} failed: no answer in {self.settings.timeout_s:g}s"
+            ) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in (
@@ -262,7 +272,7 @@ class Etcd:
     async def close(self) -> None:
         channel, self._channel = self._channel, None
         if channel is not None:
-            await channel.close(grace=None)
+            await _close(channel)
 
 
 def put_op(key: bytes, value: bytes, lease: int = 0) -> epb.RequestOp:
@@ -318,3 +328,9 @@ class EtcdThread:
 
 async def _awaited(coro: Awaitable[_T]) -> _T:
     return await coro
+
+
+async def _close(channel: grpc.aio.Channel) -> None:
+    """Close `channel`, waiting 2 s at most (what is left is dropped with the channel)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(channel.close(grace=None), 2.0)
