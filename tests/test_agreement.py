@@ -10,6 +10,7 @@ import pytest
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.contract.fingerprint import Fields, config_fields, fields_of, flatten
 from coordinator.contract.layout import layout
+from coordinator.contract.manifest import Manifest
 from coordinator.decision.checks import Level, Policies
 from coordinator.decision.cohort import CohortState, Member
 from coordinator.decision.formation import FormationOptions
@@ -20,10 +21,16 @@ from tests.helpers import InProcessCoordinator, join_request, manifest_of
 OPTS = FormationOptions(join_deadline_s=60)
 
 
-def state(agreed: Mapping[int, Mapping[str, Fields]], tp: int = 1) -> CohortState:
-    m = manifest_of()
+def state(
+    agreed: Mapping[int, Mapping[str, Fields]],
+    tp: int = 1,
+    built: Mapping[int, Manifest] | None = None,
+) -> CohortState:
+    """A complete cohort whose ranks sent `agreed`; `built`: ranks that built another model
+    (its manifest uploaded)."""
     s = CohortState("j", 1, len(agreed), first_join_at=0.0)
     for r, fingerprints in agreed.items():
+        m = (built or {}).get(r, manifest_of())
         lay = None
         if tp > 1:
             decl = layout(r, tp=tp, dp=len(agreed) // tp)
@@ -43,7 +50,7 @@ def state(agreed: Mapping[int, Mapping[str, Fields]], tp: int = 1) -> CohortStat
             ),
             0.0,
         )
-    s.manifests[m.signature()] = m
+        s.manifests[m.signature()] = m
     return s
 
 
@@ -66,6 +73,38 @@ def test_a_config_field_that_differs_is_refused_naming_field_values_and_ranks() 
     assert "n_layer" not in report
     assert headline.startswith("ranks disagree on the model config: config.num_attention_heads")
     assert "they disagree on the model config" in report.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("field", "odd", "built"),
+    [("n_layer", 3, manifest_of(4, extra=2)), ("n_embd", 96, manifest_of(6))],
+)
+def test_a_config_that_changed_the_shapes_is_the_cause_and_leads_the_report(
+    field: str, odd: int, built: Manifest
+) -> None:
+    """GPT-2's n_layer (more blocks: extra parameters) or n_embd (other shapes) on rank 3:
+    the refusal's cause is CONFIG, its headline and first finding are the config field, and
+    the shape differences follow as what it caused."""
+    from transformers import GPT2Config
+
+    def fields(rank: int) -> Fields:
+        values = {"n_layer": 2, "n_embd": 64, "n_head": 4}
+        if rank == 3:
+            values[field] = odd
+        return fields_of(config_fields(GPT2Config(**values).to_dict()))
+
+    s = state({r: {"config": fields(r)} for r in range(4)}, built={3: built})
+    decision, verdict = judge(s, 1.0, OPTS)
+    assert verdict is not None and decision.cause is Cause.CONFIG, decision
+    std = field  # as GPT2Config.to_dict() names it
+    assert verdict.headline.startswith(f"ranks disagree on the model config: config.{std}")
+    lines = verdict.report.splitlines()
+    assert "they disagree on the model config, and so built 2 different models" in lines[0]
+    assert lines[1].startswith(f"strict config: config.{std}: "), lines
+    config_at = verdict.report.index(f"config.{std}")
+    differs_at = verdict.report.index("differs")
+    assert config_at < differs_at, "the config fields come before the shapes they caused"
+    assert verdict.diffs, "the shape differences are in the verdict"
 
 
 def test_metadata_keys_and_equal_configs_form() -> None:

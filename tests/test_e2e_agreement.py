@@ -18,6 +18,7 @@ from tests.helpers import (
     free_port,
     launch,
     launch_env,
+    log_events,
     torchrun,
     two_node_args,
 )
@@ -54,6 +55,33 @@ def test_gpt2_configs_agree_differ_in_metadata_only_or_differ_in_n_head(tmp_path
     refused_everywhere(heads.stdout)
     assert "ranks disagree on the model config" in heads.stdout, heads.stdout
     assert "config.num_attention_heads: 4 on ranks 0-2, 2 on ranks 3" in heads.stdout
+
+
+def test_gpt2_configs_that_change_the_shapes_are_refused_config_first(tmp_path: Path) -> None:
+    """n_layer on one rank (more blocks: missing and extra parameters) and n_embd on another
+    (other shapes): the refusal's cause is the config, named first; the shape differences
+    follow as what it caused."""
+    with coordinator_process("--join-deadline", "60", tmp=tmp_path) as (addr, log):
+        layers = torchrun(
+            addr, "hf-layers", "--vary-rank", "3", "--vary", "n_layer=3", tmp=tmp_path, script=HF
+        )
+        width = torchrun(
+            addr, "hf-width", "--vary-rank", "1", "--vary", "n_embd=128", tmp=tmp_path, script=HF
+        )
+        causes = [e.get("cause") for e in log_events(log) if e.get("event") == "cohort refused"]
+    assert causes == ["config", "config"], causes
+    for run, field, odd in (
+        (layers, "num_hidden_layers", "3 on ranks 3"),
+        (width, "hidden_size", "128 on ranks 1"),
+    ):
+        assert run.returncode != 0
+        refused_everywhere(run.stdout)
+        # (the ranks print their reports at once: lines of two may interleave)
+        report = run.stdout[run.stdout.index("cohortgate refused to form job") :]
+        assert "they disagree on the model config, and so built 2 different models" in report
+        line = re.search(rf"strict config: config\.\S*{field}: .*{odd}", report)
+        assert line is not None, report
+        assert line.start() < report.index("differs"), "config first, then the shapes"
 
 
 def test_llama_rope_theta_and_a_fact_are_refused_by_name(tmp_path: Path) -> None:

@@ -19,11 +19,16 @@ from coordinator.decision.checks.runtime import RUNTIME_CHECKS
 from coordinator.decision.checks.weights import WeightsCheck
 from coordinator.decision.verdict import Finding, Level, warnings
 
+# The config precedes the model: a config that differs is why shapes differ (n_layer,
+# hidden_size on one rank), so it is the cause, and its fields lead the report; the shape
+# differences it caused follow (the model check still runs and shows its classes).
+CONFIG, *OTHER_AGREEMENT = AGREEMENT_CHECKS
 CHECKS: tuple[Check, ...] = (
     LayoutCheck(),
     CoverageCheck(),
+    CONFIG,
     ModelCheck(),
-    *AGREEMENT_CHECKS,
+    *OTHER_AGREEMENT,
     *RUNTIME_CHECKS,
     WeightsCheck(),
 )

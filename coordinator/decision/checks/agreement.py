@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from coordinator.contract.fingerprint import AGREED, Fields, disagreements
-from coordinator.decision.checks.base import Check, Context, Result
+from coordinator.decision.checks.base import Check, Context, Refused, Result
 from coordinator.decision.verdict import Cause, Finding, Level
 
 
@@ -54,6 +54,23 @@ class AgreementCheck(Check):
     def strict_headline(self, strict: list[Finding]) -> str:
         more = f" (and {len(strict) - 1} more)" if len(strict) > 1 else ""
         return f"{self.refusal}: {strict[0].text}{more}"
+
+    def headline(self, r: Refused) -> str:
+        """Its own fields first, even where they made the ranks build different models
+        (the culprit classes are the consequence, named in the report below)."""
+        strict = [
+            f for f in r.decision.findings if f.check == self.name and f.level is Level.STRICT
+        ]
+        return self.strict_headline(strict) if strict else super().headline(r)
+
+    def heading(self, r: Refused) -> str:
+        models = len(r.decision.classes)
+        if models > 1 and not any(c.group for c in r.decision.classes):
+            return (
+                f"all {r.cohort.world_size} ranks joined, but {self.head}, and so built "
+                f"{models} different models (the shape differences below follow from it)."
+            )
+        return super().heading(r)
 
 
 def _minority(sent: dict[int, Fields | None]) -> tuple[int, ...]:
