@@ -92,6 +92,12 @@ def wait_leader(group: list[Replica], within: float = 30.0) -> Replica:
         time.sleep(0.05)
 
 
+def roles(group: list[Replica]) -> tuple[Replica, Replica]:
+    """(the leader, a standby) of a group of replicas, once one leads."""
+    leader = wait_leader(group)
+    return leader, next(r for r in group if r is not leader)
+
+
 def stamp(event: dict[str, object]) -> float:
     """A log line's time, in seconds since the epoch."""
     from datetime import datetime

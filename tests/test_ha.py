@@ -28,7 +28,7 @@ from coordinator.state.base import VerdictRow
 from coordinator.state.etcd_history import EtcdHistory
 from tests.etcd import EtcdServer, etcd_server
 from tests.etcd import prefix as etcd_prefix
-from tests.ha import metric, replicas, stamp, status_json, wait_leader
+from tests.ha import metric, replicas, roles, stamp, status_json, wait_leader
 from tests.helpers import (
     TRAIN,
     agent_rank,
@@ -271,8 +271,7 @@ def test_explain_and_status_read_whichever_replica_answers_and_etcd_itself(
 ) -> None:
     prefix = etcd_prefix()
     with replicas(tmp_path, etcd.endpoint, prefix, ttl=TTL) as group:
-        leader = wait_leader(group)
-        standby = next(r for r in group if r is not leader)
+        leader, standby = roles(group)
         job = "explained"
         verdicts = [None, None]
 
@@ -317,8 +316,7 @@ def test_a_leader_stopped_with_sigterm_hands_over_at_once_and_no_rank_is_lost(
     standby leads well within the TTL (10 s here); ranks that join while it stops (their
     calls cancelled by grpc) retry and form there."""
     with replicas(tmp_path, etcd.endpoint, etcd_prefix(), 2, 10, "--grace", "30") as group:
-        leader = wait_leader(group)
-        standby = next(r for r in group if r is not leader)
+        leader, standby = roles(group)
         addrs = f"{leader.addr},{standby.addr}"
         verdicts: dict[int, object] = {}
         # a call that stays open through the grace (a health watch): the lead must not wait
@@ -440,8 +438,7 @@ def test_leader_killed_while_a_job_waits_the_job_forms_on_the_standby(
 ) -> None:
     hold = tmp_path / "go"
     with replicas(tmp_path, etcd.endpoint, etcd_prefix(), ttl=TTL) as group:
-        leader = wait_leader(group)
-        standby = next(r for r in group if r is not leader)
+        leader, standby = roles(group)
         proc, _ = held_job(tmp_path, f"{leader.addr},{standby.addr}", "killed-leader", hold)
         try:
             wait_joined(leader.addr, "killed-leader", 2, within=90)
@@ -468,8 +465,7 @@ def test_through_node_relays_a_killed_leaders_job_forms_on_the_standby(
     node 0's group waits on the leader, which is killed before node 1's ranks join."""
     hold = tmp_path / "go"
     with replicas(tmp_path, etcd.endpoint, etcd_prefix(), ttl=TTL) as group:
-        leader = wait_leader(group)
-        standby = next(r for r in group if r is not leader)
+        leader, standby = roles(group)
         rdzv = f"127.0.0.1:{free_port()}"
         script = ["--steps", "1", "--hold-rank", "2", "--hold-rank", "3"]
         args = [
@@ -511,8 +507,7 @@ def test_leader_killed_during_the_fan_out_every_rank_ends_with_the_same_verdict(
     watcher = EtcdThread(settings)
     try:
         with replicas(tmp_path, etcd.endpoint, prefix, ttl=TTL) as group:
-            leader = wait_leader(group)
-            standby = next(r for r in group if r is not leader)
+            leader, standby = roles(group)
             with FaultProxy(leader.addr) as proxy:
                 rdzv = f"127.0.0.1:{free_port()}"
                 node_args = two_node_args(
@@ -570,8 +565,7 @@ def test_a_paused_leader_that_wakes_after_a_takeover_sends_nothing_and_steps_dow
 ) -> None:
     hold = tmp_path / "go"
     with replicas(tmp_path, etcd.endpoint, etcd_prefix(), ttl=TTL) as group:
-        old = wait_leader(group)
-        standby = next(r for r in group if r is not old)
+        old, standby = roles(group)
         proc, _ = held_job(tmp_path, f"{old.addr},{standby.addr}", "paused-leader", hold)
         try:
             wait_joined(old.addr, "paused-leader", 2, within=90)
