@@ -147,9 +147,7 @@ class Replica:
     def resign(self) -> None:
         """Shutting down: the verdicts being stored are (within 2 s), then the lead is
         handed over (the lease revoked): a standby leads within its next campaign."""
-        flush = getattr(self.history, "flush", None)
-        if flush is not None:
-            flush(2.0)
+        self.history.flush(2.0)
         self.leadership.close()
 
     def close(self) -> None:

@@ -234,6 +234,10 @@ class VerdictStore(abc.ABC):
         if it cannot be."""
 
     @abc.abstractmethod
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every recorded verdict is stored; False if it could not be in time."""
+
+    @abc.abstractmethod
     def get(self, job_id: str, round_: int = 0) -> VerdictRow | None:
         """The verdict of (job, round); round 0: the job's latest."""
 
