@@ -9,6 +9,7 @@ from coordinator.contract.layout import Layout, LayoutBuilder, config_fingerprin
 from coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
+    from agent.audit import ReplicasDiverged
     from agent.cohort import Cohort, CohortRefused, init_process_group, join
     from agent.dtensor import dtensor_pieces
     from agent.identity import tokenizer_fingerprint
@@ -26,6 +27,7 @@ __all__ = [
     "Manifest",
     "ManifestDiff",
     "ManifestError",
+    "ReplicasDiverged",
     "config_fingerprint",
     "diff",
     "dtensor_pieces",
@@ -45,6 +47,7 @@ _LAZY = {
     "Cohort": "agent.cohort",
     "CohortRefused": "agent.cohort",
     "CohortgateError": "agent.torchrun",
+    "ReplicasDiverged": "agent.audit",
     "tokenizer_fingerprint": "agent.identity",
 }
 

@@ -6,7 +6,7 @@ import functools
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -40,6 +40,31 @@ class Cohort:
     init_method: str
     cohort_id: str
     round: int
+    # Who this rank is (for audits), and its replica class: its layout's replica label,
+    # "" for all ranks of a DDP job.
+    identity: RankIdentity | None = field(default=None, compare=False, repr=False)
+    replica_group: str = ""
+
+    def audit(self, model: torch.nn.Module, step: int, optimizer: Any = None) -> None:
+        """Digest this rank's weights (and `optimizer`'s state) on their device and send the
+        digest to the coordinator from a background thread: the step waits for the digest
+        only, never for the coordinator. The coordinator compares the ranks that must hold
+        the same values (all ranks of a DDP job; under a layout, each replica group) and
+        names the rank, host, tensors and step where they differ. Under `--policy
+        audit=strict` every rank raises ReplicasDiverged at the stop step the coordinator
+        picked, with the same report (in torchrun's root cause too). An unreachable
+        coordinator is said once; training goes on."""
+        from agent.audit import Auditor
+
+        if self.identity is None:
+            raise ValueError("this Cohort was not returned by agent.join(): it cannot audit")
+        key = (self.cohort_id, self.rank)
+        auditor = _AUDITORS.get(key)
+        if auditor is None:
+            auditor = _AUDITORS[key] = Auditor(
+                self.identity, self.cohort_id, self.round, self.replica_group
+            )
+        auditor.audit(model, step, optimizer)
 
     def store(self, timeout: timedelta = timedelta(minutes=10)) -> Store:
         """The cohort's rendezvous store, for init_process_group(store=...).
@@ -69,6 +94,9 @@ class Cohort:
             timeout=timeout,
             multi_tenant=True,
         )
+
+
+_AUDITORS: dict[tuple[str, int], Any] = {}  # (cohort id, rank) -> agent.audit.Auditor
 
 
 class CohortRefused(RuntimeError):
@@ -216,13 +244,14 @@ def _join(
         sharded = any(not p.replicated for p in dtensor_pieces(model))
     init_method = f"tcp://{identity.endpoint_host}:{free_port()}" if identity.rank == 0 else ""
     options = JoinOptions() if timeout_s is None else JoinOptions(timeout_s=timeout_s)
+    built = layout.build() if isinstance(layout, LayoutBuilder) else layout
     verdict = client_join(
         identity,
         manifest,
         init_method=init_method,
         runtime=runtime_facts(_device_type(model)),
         options=options,
-        layout=layout.build() if isinstance(layout, LayoutBuilder) else layout,
+        layout=built,
         digests=digests,
         sharded_without_layout=sharded,
         agreed=agreed,
@@ -244,6 +273,8 @@ def _join(
             init_method=verdict.init_method,
             cohort_id=verdict.cohort_id,
             round=verdict.round,
+            identity=identity,
+            replica_group=built.replica_label if built is not None else "",
         )
     report = verdict.refusal.report
     headline = verdict.refusal.headline or verdict.reason

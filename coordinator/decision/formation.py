@@ -31,6 +31,9 @@ class FormationOptions:
     # mismatch before refusing without them (their uploaders were asked at join time).
     manifest_timeout_s: float = 30.0
     policies: Policies = field(default_factory=Policies)
+    # Audits during training: a rank that has not sent its audit of a step this long after
+    # the first rank did is named, and the step compared without it.
+    audit_timeout_s: float = 60.0
 
 
 def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decision:

@@ -66,6 +66,12 @@ class ServeConfig(BaseModel):
     )
     join_deadline: float = Field(600.0, gt=0, description="seconds from a cohort's first join")
     manifest_timeout: float = Field(30.0, gt=0, description="seconds to wait for manifests")
+    audit_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="seconds after a step's first audit before the ranks that sent none are "
+        "named and the step compared without them",
+    )
     progress_interval: float = Field(
         1.0,
         gt=0,
@@ -276,6 +282,7 @@ class ServeConfig(BaseModel):
             join_deadline_s=self.join_deadline,
             manifest_timeout_s=self.manifest_timeout,
             policies=self.policies,
+            audit_timeout_s=self.audit_timeout,
         )
 
 

@@ -34,6 +34,8 @@ from coordinator.edge.plumbing import (
     RAW_CHUNKS,
     keepalive_client_options,
 )
+from coordinator.edge.relay_audits import UPSTREAM_TIMEOUT_S as AUDIT_TIMEOUT_S
+from coordinator.edge.relay_audits import RelayAudits
 
 log = structlog.get_logger("cohortgate.relay")
 
@@ -198,6 +200,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         self._pending: dict[GroupKey, _Group] = {}
         self._sent: dict[GroupKey, int] = {}  # ranks sent upstream per key, until a verdict
         self._tasks: set[asyncio.Task[None]] = set()
+        self.audits = RelayAudits(self._audit_upstream, local_ranks)
 
     @property
     def upstream(self) -> str:
@@ -235,6 +238,31 @@ class Relay(pb_grpc.CohortServiceServicer):
             log.info("upstream moved", was=was, now=self.upstreams.current)
             self._connect()
         return wait == 0.0
+
+    async def Audit(
+        self, request: pb.AuditRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AuditReply:
+        """The node's audits, batched upstream (relay_audits.py)."""
+        try:
+            return await self.audits.audit(request, _auth(context))
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+            raise AssertionError("unreachable") from exc
+
+    async def _audit_upstream(
+        self, request: pb.AuditRequest, metadata: Sequence[tuple[str, str]]
+    ) -> pb.AuditReply:
+        """One batch upstream; a standby's answer moves it to the leader it names."""
+        for _ in range(len(self.upstreams.addrs) + 1):
+            try:
+                reply: pb.AuditReply = await self.stub.Audit(
+                    request, metadata=metadata, timeout=AUDIT_TIMEOUT_S
+                )
+                return reply
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or not self._follow(exc):
+                    raise
+        return await self.stub.Audit(request, metadata=metadata, timeout=AUDIT_TIMEOUT_S)  # type: ignore[no-any-return]
 
     def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
@@ -469,6 +497,7 @@ class Relay(pb_grpc.CohortServiceServicer):
             events.put_nowait(event)
 
     async def close(self) -> None:
+        self.audits.close()
         for task in list(self._tasks):
             task.cancel()
         for channel in self._channels.values():

@@ -21,6 +21,7 @@ from coordinator.contract.diff import (
     OrderChange,
 )
 from coordinator.contract.diff import FirstDifference as DomainFirstDifference
+from coordinator.decision.audit import Answer, AuditFinding
 from coordinator.decision.cohort import UploadKind
 from coordinator.decision.verdict import Cause, Outcome, Verdict
 from coordinator.service.events import JoinEvent, UploadAsk
@@ -94,6 +95,33 @@ def record_to_pb(row: VerdictRow) -> pb.VerdictRecord:
         report=row.report,
         decided_at_unix=row.decided_at,
         world_size=row.world_size,
+    )
+
+
+def answer_to_pb(a: Answer) -> pb.AuditAnswer:
+    return pb.AuditAnswer(
+        cohort_id=a.cohort_id,
+        tensors_rank=[r for r, _ in a.tensors_for],
+        tensors_step=[s for _, s in a.tensors_for],
+        stop_step=a.stop_step,
+        headline=a.headline,
+        report=a.report,
+        diverged_step=a.diverged_step,
+        level=a.level,
+    )
+
+
+def finding_to_pb(f: AuditFinding) -> pb.AuditRecord:
+    return pb.AuditRecord(
+        job_id=f.job_id,
+        cohort_id=f.cohort_id,
+        step=f.step,
+        kind=f.kind,
+        level=f.level,
+        headline=f.headline,
+        report=f.report,
+        at_unix=f.at,
+        stop_step=f.stop_step,
     )
 
 

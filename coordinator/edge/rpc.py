@@ -11,6 +11,7 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.codec.wire import (
     DEFAULT_LIMITS,
     MAX_JOB_ID,
+    MAX_NAME,
     MAX_TEXT,
     PROTOCOL_VERSION,
     layout_from_pb,
@@ -29,6 +30,7 @@ from coordinator.contract.fingerprint import AGREED, Fields, check_fields
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import HeldManifest
 from coordinator.contract.runtime import RUNTIME_FIELDS
+from coordinator.decision.audit import RankAudit
 from coordinator.decision.cohort import Member
 from coordinator.edge.plumbing import Malformed, parse_request
 from coordinator.state.asks import UploadRef
@@ -276,4 +278,68 @@ def upload_ref(req: pb.UploadManifestHeader) -> UploadRef:
         req.round,
         req.rank,
         text(req.incarnation, "incarnation", 128, required=True),
+    )
+
+
+# -- audits --------------------------------------------------------------------------------
+MAX_AUDITS = 1024  # rank audits in one AuditRequest (a relay's node: its local ranks)
+
+
+def audits_of(req: pb.AuditRequest, limits: Limits = DEFAULT_LIMITS) -> list[RankAudit]:
+    """An AuditRequest's audits, each validated (one job per request)."""
+    if not req.audits:
+        raise InvalidArgument("the AuditRequest holds no audits")
+    if len(req.audits) > MAX_AUDITS:
+        raise LimitExceeded(f"{len(req.audits)} audits in one request; the limit is {MAX_AUDITS}")
+    seen = Seen()
+    out = [_audit(a, limits, seen) for a in req.audits]
+    if len({a.job_id for a in out}) > 1:
+        raise InvalidArgument("an AuditRequest carries the audits of one job only")
+    return out
+
+
+def _audit(a: pb.RankAudit, limits: Limits, seen: Seen) -> RankAudit:
+    if not 0 < a.world_size <= limits.max_world_size:
+        raise InvalidArgument(
+            f"world_size {a.world_size} is outside 1..{limits.max_world_size} (--max-world-size)"
+        )
+    if a.rank >= a.world_size:
+        raise InvalidArgument(f"rank {a.rank} is outside the world size {a.world_size}")
+    if a.step >= 1 << 62:
+        raise InvalidArgument(f"step {a.step} is past 2^62")
+    if a.digest and a.digest_format != DIGEST_FORMAT_VERSION:
+        raise FailedPrecondition(
+            f"digest_format {a.digest_format} is not {DIGEST_FORMAT_VERSION} "
+            "(cohortgate.digest.v2): upgrade the agent or the coordinator so that both agree"
+        )
+    tensors = None
+    if a.tensor_names or a.tensor_digests:
+        if len(a.tensor_names) != len(a.tensor_digests):
+            raise InvalidArgument(
+                f"{len(a.tensor_names)} tensor names for {len(a.tensor_digests)} digests"
+            )
+        if len(a.tensor_names) > limits.max_manifest_entries:
+            raise LimitExceeded(
+                f"{len(a.tensor_names)} tensor digests; the limit is max_manifest_entries="
+                f"{limits.max_manifest_entries}"
+            )
+        tensors = tuple(
+            (text(n, "tensor_names", MAX_NAME), sha256(d, "tensor_digests"))
+            for n, d in zip(a.tensor_names, a.tensor_digests, strict=True)
+        )
+    elif not a.digest:
+        raise InvalidArgument("a RankAudit carries a digest, per-tensor digests, or both")
+    return RankAudit(
+        cohort_id=seen.text(a.cohort_id, "cohort_id", 128, required=True),
+        job_id=seen.text(a.job_id, "job_id", MAX_JOB_ID, required=True),
+        round=a.round,
+        rank=a.rank,
+        world_size=a.world_size,
+        host=seen.text(a.host, "host"),
+        incarnation=text(a.incarnation, "incarnation", 128),
+        step=a.step,
+        digest=sha256(a.digest, "digest", optional=True),
+        group=seen.text(a.group, "group"),
+        tensors=tensors,
+        truncated=a.tensors_truncated,
     )

@@ -259,6 +259,18 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             manifest = await self._decoded(rpc.manifest_of, data, process=True)
             self.coordinator.upload(ref, manifest, signature, size=len(data))
 
+    async def Audit(
+        self, request: pb.AuditRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AuditReply:
+        """Rank audits during training: validated, authorised, answered at once."""
+        async with answering(self.coordinator, context, "Audit"):
+            audits = rpc.audits_of(request, self.limits)
+            structlog.contextvars.bind_contextvars(job=audits[0].job_id[:64])
+            self.auth.check_job(_metadata(context), audits[0].job_id)
+            answers = self.coordinator.audit(audits)
+            return pb.AuditReply(answers=[replies.answer_to_pb(a) for a in answers])
+        raise AssertionError("unreachable")  # answering aborts the call
+
     async def _digests(self, context: grpc.aio.ServicerContext, upload: Upload) -> None:
         ref = rpc.upload_ref(self._sender(context, upload, pb.UploadDigestsRequest))
         if self.coordinator.wants_upload(ref, UploadKind.DIGESTS, b"", upload.size):
@@ -386,6 +398,17 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
         async with answering(self.coordinator, context, "WatchCohorts", job_id):
             async for summary in self.coordinator.watch(job_id, holder):
                 yield self._encoded(summary)
+
+    async def ListAudits(
+        self, request: pb.ListAuditsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListAuditsResponse:
+        job_id, _ = await self._scope(context, "ListAudits", request.job_id)
+        async with answering(self.coordinator, context, "ListAudits", job_id):
+            if not job_id:
+                raise InvalidArgument("ListAudits needs a job_id")
+            found = self.coordinator.audits.findings(job_id)
+            return pb.ListAuditsResponse(audits=[replies.finding_to_pb(f) for f in found])
+        raise AssertionError("unreachable")  # answering aborts the call
 
     async def GetVerdict(
         self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext

@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator, Callable
 from coordinator.contract.errors import Unavailable
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import ManifestLike
+from coordinator.decision.audit import Answer, RankAudit
 from coordinator.decision.cohort import UploadKind
 from coordinator.decision.formation import FormationOptions
 from coordinator.service.admission import Admission
+from coordinator.service.audits import Audits
 from coordinator.service.book import Book
 from coordinator.service.calls import Calls
 from coordinator.service.deciding import OFFLOAD_ABOVE, Decider
@@ -89,6 +91,7 @@ class Coordinator:
             offload_above=offload_above,
         )
         self.uploads = Uploads(self.store, self.observer, self.evaluate)
+        self.audits = Audits(self.options, self.observer, clock)
         # A large listing (status page, ListCohorts) is summarised at most this often:
         # a client polling in a loop must not cost the loop O(cohorts) per call.
         self._listing: dict[str, tuple[float, int, list[CohortSummary]]] = {}
@@ -149,6 +152,15 @@ class Coordinator:
 
     async def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> None:
         await self.uploads.digests(ref, digests)
+
+    # -- audits during training ----------------------------------------------------------
+    def audit(self, audits: list[RankAudit]) -> list[Answer]:
+        """Rank audits of formed cohorts (one job): what each cohort's ranks are told now. A
+        standby takes none (it names the leader, as for joins)."""
+        refusal = self.admission.refusal()
+        if refusal is not None:
+            raise refusal
+        return self.audits.submit(audits)
 
     # -- status --------------------------------------------------------------------------
     def cohorts(self, job_id: str = "") -> list[LiveCohort]:
@@ -216,3 +228,4 @@ class Coordinator:
         self.stand_by(lambda: shutting)
         self.book.close()
         self.watchers.close()
+        self.audits.close()

@@ -99,6 +99,23 @@ class Metrics:
             "etcd calls that failed, by operation (leadership, write, read, prune).",
             "operation",
         )
+        self.audits = count(
+            "audits_total", "Rank audits received (cohort.audit(model, step), one per rank)."
+        )
+        self.audited_steps = count(
+            "audited_steps_total", "Audited steps compared across their cohort's replicas."
+        )
+        self.divergence = count(
+            "replica_divergence_total",
+            "Divergences found by audits during training: replicas that must hold the same "
+            "weights differ, by policy level (warn: reported; strict: the job is stopped).",
+            "level",
+        )
+        self.audit_missing = count(
+            "audit_missing_total",
+            "Audited steps some ranks sent no audit for within --audit-timeout.",
+        )
+        self.audited_cohorts = gauge("audited_cohorts", "Formed cohorts whose audits are held.")
 
     # Every name is prefixed cohortgate_; a counter's name ends in _total (the client
     # library's exposition adds it back).

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from coordinator.contract import ranges
 from coordinator.contract.errors import InvalidArgument
 from coordinator.contract.manifest import ManifestLike
+from coordinator.decision.audit import AuditFinding
 from coordinator.decision.cohort import CohortState, Member, UploadKind
 from coordinator.decision.verdict import Decision, Verdict
 from coordinator.state.asks import Asks, UploadRef
@@ -250,6 +251,14 @@ class VerdictStore(abc.ABC):
 
     @abc.abstractmethod
     def last_round(self, job_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def record_audit(self, finding: AuditFinding) -> None:
+        """Queue an audit finding (a divergence, ranks that sent no audit); never blocks."""
+
+    @abc.abstractmethod
+    def audits(self, job_id: str, limit: int = 200) -> list[AuditFinding]:
+        """The job's audit findings, oldest first (the newest `limit`)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -24,12 +24,13 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from urllib.parse import quote
 
 import structlog
 
 from coordinator.contract.errors import Unavailable
+from coordinator.decision.audit import AuditFinding
 from coordinator.decision.verdict import Verdict
 from coordinator.etcd.client import EtcdError, EtcdThread, created_at, prefix_end, put_op
 from coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
@@ -216,11 +217,21 @@ class EtcdHistory(VerdictStore):
                 if parts:
                     first = self._part_key(job, round_, 0)
                     await self.etcd.client.delete(first, prefix_end(first[:-4]))
+            await self._prune_audits(cutoff)
         except EtcdError as exc:
             self._failed("prune", exc)
         self._cut_local()
         if old:
             log.info("verdicts past the retention deleted from etcd", count=len(old))
+
+    async def _prune_audits(self, cutoff: float) -> None:
+        """Audit findings past the retention: their keys end in their time, so per job
+        everything below the cutoff's key goes."""
+        start = self.prefix + b"a/"
+        reply = await self.etcd.client.range(start, prefix_end(start), keys_only=True)
+        jobs = {kv.key.rsplit(b"/", 1)[0] + b"/" for kv in reply.kvs}
+        for job in jobs:
+            await self.etcd.client.delete(job, job + f"{int(cutoff * 1e9):020d}".encode())
 
     def _cut_local(self) -> None:
         cutoff = time.time() - self.retention_s
@@ -401,6 +412,45 @@ class EtcdHistory(VerdictStore):
     def last_round(self, job_id: str) -> int:
         with self._lock:
             return max(self._jobs.get(job_id, {}), default=0)
+
+    # -- audit findings: `<prefix>a/<job>/<at in ns>`, JSON; written by the leader --------
+    def _audit_key(self, job_id: str, at: float = -1.0) -> bytes:
+        job = self.prefix + f"a/{quote(job_id, safe='')}/".encode()
+        return job if at < 0 else job + f"{int(at * 1e9):020d}".encode()
+
+    def record_audit(self, finding: AuditFinding) -> None:
+        if self.readonly:
+            raise OSError("the etcd history is open read-only")
+        with self._lock:
+            self._pending += 1
+        self.etcd.submit(self._write_audit(finding))
+
+    async def _write_audit(self, finding: AuditFinding) -> None:
+        try:
+            value = json.dumps(asdict(finding)).encode()
+            await self.etcd.client.put(self._audit_key(finding.job_id, finding.at), value)
+        except EtcdError as exc:
+            self._failed("write", exc)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def audits(self, job_id: str, limit: int = 200) -> list[AuditFinding]:
+        """Read from etcd (at most READ_WAIT_S: audits are read once per cohort, on its first
+        audit after a restart, and by `explain --audits`)."""
+        start = self._audit_key(job_id)
+
+        async def read() -> list[AuditFinding]:
+            reply = await self.etcd.client.range(start, prefix_end(start))
+            return [AuditFinding(**json.loads(kv.value)) for kv in reply.kvs]
+
+        try:
+            return self.etcd.run(read(), timeout=READ_WAIT_S)[-limit:]
+        except (EtcdError, TimeoutError, ValueError, TypeError) as exc:
+            self._failed("read", exc)
+            raise Unavailable(
+                f"the audit history in etcd cannot be read now ({exc}); retry"
+            ) from None
 
     def flush(self, timeout: float = 5.0) -> bool:
         give_up = time.monotonic() + timeout

@@ -21,6 +21,7 @@ from typing import TypeVar
 import structlog
 
 from coordinator.contract.errors import Unavailable
+from coordinator.decision.audit import AuditFinding
 from coordinator.decision.verdict import Verdict
 from coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
 from coordinator.state.records import (
@@ -57,7 +58,21 @@ CREATE INDEX IF NOT EXISTS verdicts_decided_at ON verdicts (decided_at);
 -- verdicts stored, and sent, but not yet filed
 CREATE TABLE IF NOT EXISTS gates ({_ROW_COLUMNS}
 );
+-- audit findings during training (decision/audit.py): divergences, ranks that sent none
+CREATE TABLE IF NOT EXISTS audits (
+    job_id       TEXT NOT NULL,
+    cohort_id    TEXT NOT NULL,
+    step         INTEGER NOT NULL,
+    kind         TEXT NOT NULL,
+    level        TEXT NOT NULL,
+    headline     TEXT NOT NULL,
+    report       TEXT NOT NULL,
+    at           REAL NOT NULL,
+    stop_step    INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audits_job ON audits (job_id, at);
 """
+_AUDIT = "job_id, cohort_id, step, kind, level, headline, report, at, stop_step"
 
 
 # What a listing reads: neither the verdict itself nor who received it (read to replay).
@@ -130,6 +145,29 @@ def _file(db: sqlite3.Connection, cohort_ids: list[str] | None = None) -> None:
     _transaction(db, write)
 
 
+def _audits(db: sqlite3.Connection, findings: list[AuditFinding]) -> None:
+    _transaction(
+        db,
+        lambda: db.executemany(
+            f"INSERT INTO audits ({_AUDIT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    f.job_id,
+                    f.cohort_id,
+                    f.step,
+                    f.kind,
+                    f.level,
+                    f.headline,
+                    f.report,
+                    f.at,
+                    f.stop_step,
+                )
+                for f in findings
+            ],  # fmt: skip
+        ),
+    )
+
+
 class _Writer(threading.Thread):
     """Writes queued verdicts in batches; while the file refuses them (locked, full, read
     only) it keeps them and retries with backoff (0.5 s doubling to 30 s)."""
@@ -147,6 +185,7 @@ class _Writer(threading.Thread):
         self.cond = threading.Condition()
         self.pending: deque[tuple[VerdictRow, Callable[[], None] | None]] = deque()
         self.filing: deque[str] = deque()  # cohort ids gated (and sent), not yet filed
+        self.audits: deque[AuditFinding] = deque()
         self.dropped = 0
         self.error = ""
         self.closing = False
@@ -160,6 +199,14 @@ class _Writer(threading.Thread):
             self.pending.append((row, written))
             self.cond.notify_all()
 
+    def put_audit(self, finding: AuditFinding) -> None:
+        with self.cond:
+            if len(self.audits) >= SPOOL_MAX:
+                self.audits.popleft()
+                self.dropped += 1
+            self.audits.append(finding)
+            self.cond.notify_all()
+
     def pending_count(self) -> int:
         with self.cond:
             return len(self.pending)
@@ -168,11 +215,11 @@ class _Writer(threading.Thread):
         backoff = 0.0
         while True:
             with self.cond:
-                while not self.pending and not self.filing and not self.closing:
+                while not self.pending and not self.filing and not self.audits:
+                    if self.closing:
+                        return
                     self.cond.wait()
-                if not self.pending and not self.filing:
-                    return
-                gates, filing = list(self.pending), list(self.filing)
+                gates, filing, audits = list(self.pending), list(self.filing), list(self.audits)
                 self.busy = True
             try:
                 if self.db is None:
@@ -185,6 +232,11 @@ class _Writer(threading.Thread):
                     with self.cond:
                         for _ in filing:
                             self.filing.popleft()
+                if audits:
+                    _audits(self.db, audits)
+                    with self.cond:
+                        for _ in audits:
+                            self.audits.popleft()
             except sqlite3.Error as exc:
                 self.error = str(exc)
                 self.failed("write", exc)
@@ -217,7 +269,7 @@ class _Writer(threading.Thread):
     def flush(self, timeout: float) -> bool:
         give_up = time.monotonic() + timeout
         with self.cond:
-            while self.pending or self.filing or self.busy:
+            while self.pending or self.filing or self.audits or self.busy:
                 left = give_up - time.monotonic()
                 if left <= 0 or (self.error and not self.busy):
                     return False
@@ -352,6 +404,7 @@ class History(VerdictStore):
         cutoff = time.time() - self.retention_s
         db.execute("DELETE FROM verdicts WHERE decided_at < ?", (cutoff,))
         db.execute("DELETE FROM gates WHERE decided_at < ?", (cutoff,))
+        db.execute("DELETE FROM audits WHERE at < ?", (cutoff,))
         return db
 
     def _failed(self, op: str, exc: Exception) -> None:
@@ -395,6 +448,26 @@ class History(VerdictStore):
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued verdict is written; False if it could not be in time."""
         return self._writer is None or self._writer.flush(timeout)
+
+    def record_audit(self, finding: AuditFinding) -> None:
+        if self._writer is None:
+            raise HistoryError(f"--history {self.path} is open read-only")
+        self._writer.put_audit(finding)
+
+    def audits(self, job_id: str, limit: int = 200) -> list[AuditFinding]:
+        def read() -> list[AuditFinding]:
+            found = self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'audits'"
+            ).fetchone()
+            if found is None:  # a file of a coordinator before audits
+                return []
+            cur = self.db.execute(
+                f"SELECT {_AUDIT} FROM audits WHERE job_id = ? ORDER BY at DESC LIMIT ?",
+                (job_id, limit),
+            )
+            return [_finding(r) for r in reversed(cur.fetchall())]
+
+        return self._listing(read)
 
     def _read(self, op: str, read: Callable[[], _T], default: _T) -> _T:
         """A read on the event loop: a failure (locked past READ_BUSY_S, unreadable file)
@@ -480,6 +553,20 @@ class History(VerdictStore):
             return int(self.db.execute(query, (job_id,)).fetchone()[0] or 0)
 
         return self._read("read", read, 0)
+
+
+def _finding(r: tuple[object, ...]) -> AuditFinding:
+    return AuditFinding(
+        job_id=str(r[0]),
+        cohort_id=str(r[1]),
+        step=int(str(r[2])),
+        kind=str(r[3]),
+        level=str(r[4]),
+        headline=str(r[5]),
+        report=str(r[6]),
+        at=float(str(r[7])),
+        stop_step=int(str(r[8])),
+    )
 
 
 def _row(r: tuple[object, ...]) -> VerdictRow:

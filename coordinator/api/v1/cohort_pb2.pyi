@@ -47,6 +47,176 @@ COHORT_STATE_ABANDONED: CohortState.ValueType  # 5
 Global___CohortState: _TypeAlias = CohortState  # noqa: Y015
 
 @_typing.final
+class RankAudit(_message.Message):
+    """One rank's audit of one step of a formed cohort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COHORT_ID_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    DIGEST_FORMAT_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    TENSOR_NAMES_FIELD_NUMBER: _builtins.int
+    TENSOR_DIGESTS_FIELD_NUMBER: _builtins.int
+    TENSORS_TRUNCATED_FIELD_NUMBER: _builtins.int
+    cohort_id: _builtins.str
+    """the formed cohort's id (its Verdict.cohort_id)"""
+    job_id: _builtins.str
+    round: _builtins.int
+    rank: _builtins.int
+    world_size: _builtins.int
+    host: _builtins.str
+    incarnation: _builtins.str
+    step: _builtins.int
+    digest: _builtins.bytes
+    """32 bytes: SHA-256 over the per-tensor digests (digest v2)"""
+    digest_format: _builtins.int
+    """2: cohortgate.digest.v2"""
+    group: _builtins.str
+    """The replica class: ranks with the same group must hold the same values. Empty: every
+    rank of the job (DDP). Under a layout, the layout's replica label ("tp=1 pp=0").
+    """
+    tensors_truncated: _builtins.bool
+    """more tensors than one message holds: the first ones only"""
+    @_builtins.property
+    def tensor_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only when the coordinator asked (AuditAnswer.tensors_for): this rank's per-tensor
+        digests at `step`, in manifest order, each with its name.
+        """
+
+    @_builtins.property
+    def tensor_digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        cohort_id: _builtins.str = ...,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        host: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        step: _builtins.int = ...,
+        digest: _builtins.bytes = ...,
+        digest_format: _builtins.int = ...,
+        group: _builtins.str = ...,
+        tensor_names: _abc.Iterable[_builtins.str] | None = ...,
+        tensor_digests: _abc.Iterable[_builtins.bytes] | None = ...,
+        tensors_truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "digest", b"digest", "digest_format", b"digest_format", "group", b"group", "host", b"host", "incarnation", b"incarnation", "job_id", b"job_id", "rank", b"rank", "round", b"round", "step", b"step", "tensor_digests", b"tensor_digests", "tensor_names", b"tensor_names", "tensors_truncated", b"tensors_truncated", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankAudit: _TypeAlias = RankAudit  # noqa: Y015
+
+@_typing.final
+class AuditRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AUDITS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def audits(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankAudit]:
+        """one per rank (a relay: its node's ranks, same job)"""
+
+    def __init__(
+        self,
+        *,
+        audits: _abc.Iterable[Global___RankAudit] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audits", b"audits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditRequest: _TypeAlias = AuditRequest  # noqa: Y015
+
+@_typing.final
+class AuditAnswer(_message.Message):
+    """What the coordinator knows of one cohort's audits, the same for every rank of it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COHORT_ID_FIELD_NUMBER: _builtins.int
+    TENSORS_RANK_FIELD_NUMBER: _builtins.int
+    TENSORS_STEP_FIELD_NUMBER: _builtins.int
+    STOP_STEP_FIELD_NUMBER: _builtins.int
+    HEADLINE_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
+    DIVERGED_STEP_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    cohort_id: _builtins.str
+    stop_step: _builtins.int
+    """strict policy: every rank raises at this step (0: none)"""
+    headline: _builtins.str
+    """the divergence in one line, when there is one"""
+    report: _builtins.str
+    """the full report, identical for every rank"""
+    diverged_step: _builtins.int
+    """the first audited step found to differ (0: none)"""
+    level: _builtins.str
+    """the policy the coordinator applies: strict, warn or off"""
+    @_builtins.property
+    def tensors_rank(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """(rank, step) pairs whose per-tensor digests the coordinator asks for: a rank named
+        here sends them with its next audit (or at once).
+        """
+
+    @_builtins.property
+    def tensors_step(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        cohort_id: _builtins.str = ...,
+        tensors_rank: _abc.Iterable[_builtins.int] | None = ...,
+        tensors_step: _abc.Iterable[_builtins.int] | None = ...,
+        stop_step: _builtins.int = ...,
+        headline: _builtins.str = ...,
+        report: _builtins.str = ...,
+        diverged_step: _builtins.int = ...,
+        level: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "diverged_step", b"diverged_step", "headline", b"headline", "level", b"level", "report", b"report", "stop_step", b"stop_step", "tensors_rank", b"tensors_rank", "tensors_step", b"tensors_step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditAnswer: _TypeAlias = AuditAnswer  # noqa: Y015
+
+@_typing.final
+class AuditReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditAnswer]:
+        """one per cohort named in the request"""
+
+    def __init__(
+        self,
+        *,
+        answers: _abc.Iterable[Global___AuditAnswer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditReply: _TypeAlias = AuditReply  # noqa: Y015
+
+@_typing.final
 class UploadChunk(_message.Message):
     """A slice of a serialized UploadManifestRequest or UploadDigestsRequest, in order. The
     first chunk holds at least the request's fields before the payload (job, round, rank,
@@ -1290,6 +1460,90 @@ class ManifestDiff(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ManifestDiff: _TypeAlias = ManifestDiff  # noqa: Y015
+
+@_typing.final
+class ListAuditsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditsRequest: _TypeAlias = ListAuditsRequest  # noqa: Y015
+
+@_typing.final
+class AuditRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    COHORT_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    HEADLINE_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
+    AT_UNIX_FIELD_NUMBER: _builtins.int
+    STOP_STEP_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    cohort_id: _builtins.str
+    step: _builtins.int
+    kind: _builtins.str
+    """"diverged" or "missing" """
+    level: _builtins.str
+    """strict or warn"""
+    headline: _builtins.str
+    report: _builtins.str
+    at_unix: _builtins.float
+    stop_step: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        cohort_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        level: _builtins.str = ...,
+        headline: _builtins.str = ...,
+        report: _builtins.str = ...,
+        at_unix: _builtins.float = ...,
+        stop_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "cohort_id", b"cohort_id", "headline", b"headline", "job_id", b"job_id", "kind", b"kind", "level", b"level", "report", b"report", "step", b"step", "stop_step", b"stop_step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditRecord: _TypeAlias = AuditRecord  # noqa: Y015
+
+@_typing.final
+class ListAuditsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AUDITS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def audits(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditRecord]: ...
+    def __init__(
+        self,
+        *,
+        audits: _abc.Iterable[Global___AuditRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audits", b"audits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditsResponse: _TypeAlias = ListAuditsResponse  # noqa: Y015
 
 @_typing.final
 class ListCohortsRequest(_message.Message):

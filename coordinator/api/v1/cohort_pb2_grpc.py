@@ -71,6 +71,11 @@ class CohortServiceStub:
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/cohortgate.v1.CohortService/Audit',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
+                _registered_method=True)
 
 
 class CohortServiceServicer:
@@ -138,6 +143,16 @@ class CohortServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """Audits during training (cohort.audit(model, step)): each rank's digest of its weights
+        at a step, after the cohort formed. An agent sends its own; a relay sends its node's
+        in one call. Never waits for other ranks: the answer says what the coordinator knows
+        now (per-tensor digests it asks for, a stop step under the strict policy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CohortServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +190,11 @@ def add_CohortServiceServicer_to_server(servicer, server):
                     servicer.JoinPoll,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -378,6 +398,33 @@ class CohortService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.CohortService/Audit',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class StatusServiceStub:
     """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history.
@@ -408,6 +455,11 @@ class StatusServiceStub:
                 '/cohortgate.v1.StatusService/GetVerdict',
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
+                _registered_method=True)
+        self.ListAudits = channel.unary_unary(
+                '/cohortgate.v1.StatusService/ListAudits',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.FromString,
                 _registered_method=True)
 
 
@@ -441,6 +493,14 @@ class StatusServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAudits(self, request, context):
+        """A job's audit findings (divergences, ranks that sent no audit), newest last, from the
+        history (or, with no history, from memory).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StatusServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -463,6 +523,11 @@ def add_StatusServiceServicer_to_server(servicer, server):
                     servicer.GetVerdict,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.SerializeToString,
+            ),
+            'ListAudits': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudits,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +639,33 @@ class StatusService:
             '/cohortgate.v1.StatusService/GetVerdict',
             coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
             coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.StatusService/ListAudits',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,12 @@ class CohortServiceStub:
     once per member, as on the stream; a quiet group that named its round gets no
     progress. A relay's call; a coordinator of 0.2 answers UNIMPLEMENTED (use JoinGroup).
     """
+    Audit: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.AuditRequest, _cohort_pb2.AuditReply]
+    """Audits during training (cohort.audit(model, step)): each rank's digest of its weights
+    at a step, after the cohort formed. An agent sends its own; a relay sends its node's
+    in one call. Never waits for other ranks: the answer says what the coordinator knows
+    now (per-tensor digests it asks for, a stop step under the strict policy).
+    """
 
 @_typing.type_check_only
 class CohortServiceAsyncStub(CohortServiceStub):
@@ -100,6 +106,12 @@ class CohortServiceAsyncStub(CohortServiceStub):
     stay held for JOIN_POLL_LINGER_S (5 s) between calls. Upload requests are answered
     once per member, as on the stream; a quiet group that named its round gets no
     progress. A relay's call; a coordinator of 0.2 answers UNIMPLEMENTED (use JoinGroup).
+    """
+    Audit: _aio.UnaryUnaryMultiCallable[_cohort_pb2.AuditRequest, _cohort_pb2.AuditReply]  # type: ignore[assignment]
+    """Audits during training (cohort.audit(model, step)): each rank's digest of its weights
+    at a step, after the cohort formed. An agent sends its own; a relay sends its node's
+    in one call. Never waits for other ranks: the answer says what the coordinator knows
+    now (per-tensor digests it asks for, a stop step under the strict policy).
     """
 
 class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -178,6 +190,18 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
         progress. A relay's call; a coordinator of 0.2 answers UNIMPLEMENTED (use JoinGroup).
         """
 
+    @_abc_1.abstractmethod
+    def Audit(
+        self,
+        request: _cohort_pb2.AuditRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.AuditReply, _abc.Awaitable[_cohort_pb2.AuditReply]]:
+        """Audits during training (cohort.audit(model, step)): each rank's digest of its weights
+        at a step, after the cohort formed. An agent sends its own; a relay sends its node's
+        in one call. Never waits for other ranks: the answer says what the coordinator knows
+        now (per-tensor digests it asks for, a stop step under the strict policy).
+        """
+
 def add_CohortServiceServicer_to_server(servicer: CohortServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class StatusServiceStub:
@@ -193,6 +217,10 @@ class StatusServiceStub:
     """A snapshot of every matching cohort, then one CohortSummary per change."""
     GetVerdict: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.GetVerdictRequest, _cohort_pb2.VerdictRecord]
     """A past verdict with its full report, from the history database."""
+    ListAudits: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.ListAuditsRequest, _cohort_pb2.ListAuditsResponse]
+    """A job's audit findings (divergences, ranks that sent no audit), newest last, from the
+    history (or, with no history, from memory).
+    """
 
 @_typing.type_check_only
 class StatusServiceAsyncStub(StatusServiceStub):
@@ -205,6 +233,10 @@ class StatusServiceAsyncStub(StatusServiceStub):
     """A snapshot of every matching cohort, then one CohortSummary per change."""
     GetVerdict: _aio.UnaryUnaryMultiCallable[_cohort_pb2.GetVerdictRequest, _cohort_pb2.VerdictRecord]  # type: ignore[assignment]
     """A past verdict with its full report, from the history database."""
+    ListAudits: _aio.UnaryUnaryMultiCallable[_cohort_pb2.ListAuditsRequest, _cohort_pb2.ListAuditsResponse]  # type: ignore[assignment]
+    """A job's audit findings (divergences, ranks that sent no audit), newest last, from the
+    history (or, with no history, from memory).
+    """
 
 class StatusServiceServicer(metaclass=_abc_1.ABCMeta):
     """What on-call reads: cohorts waiting and decided, one cohort in full, a live feed, history."""
@@ -238,5 +270,15 @@ class StatusServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cohort_pb2.VerdictRecord, _abc.Awaitable[_cohort_pb2.VerdictRecord]]:
         """A past verdict with its full report, from the history database."""
+
+    @_abc_1.abstractmethod
+    def ListAudits(
+        self,
+        request: _cohort_pb2.ListAuditsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.ListAuditsResponse, _abc.Awaitable[_cohort_pb2.ListAuditsResponse]]:
+        """A job's audit findings (divergences, ranks that sent no audit), newest last, from the
+        history (or, with no history, from memory).
+        """
 
 def add_StatusServiceServicer_to_server(servicer: StatusServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from coordinator.decision.checks.agreement import AGREEMENT_CHECKS
+from coordinator.decision.checks.audit import AuditCheck
 from coordinator.decision.checks.base import Check, Context, Result
 from coordinator.decision.checks.coverage import CoverageCheck
 from coordinator.decision.checks.layout import LayoutCheck
@@ -31,6 +32,7 @@ CHECKS: tuple[Check, ...] = (
     *OTHER_AGREEMENT,
     *RUNTIME_CHECKS,
     WeightsCheck(),
+    AuditCheck(),  # last: it judges training, not formation
 )
 DEFAULT_POLICY: dict[str, Level] = {c.name: c.default for c in CHECKS}
 

@@ -1,0 +1,245 @@
+"""cohort.audit(model, step): is this rank still holding the same weights as its replicas?
+
+The training thread pays only for the on-device digest (agent.digest, the same function the
+start-up weights check uses); a background thread sends it to the coordinator and reads the
+answer. The coordinator never makes a rank wait: an unreachable coordinator is said once and
+training goes on; audits resume when it is back.
+
+Per-tensor digests of the last KEPT_STEPS audited steps stay in memory (32 bytes a tensor),
+so that when the coordinator finds a difference and asks one rank per class for them, the
+rank sends those of the step that differed, and the report names the tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any
+
+from coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
+
+if TYPE_CHECKING:
+    import grpc
+    import torch
+
+    from agent.torchrun import RankIdentity
+    from coordinator.api.v1 import cohort_pb2 as pb
+    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from coordinator.codec.channel import ClientSecurity
+    from coordinator.codec.leader import Upstream
+
+log = logging.getLogger("cohortgate.agent")
+
+KEPT_STEPS = 8
+QUEUED = 4  # audits waiting to be sent; past it the oldest is dropped (a slow coordinator)
+CALL_TIMEOUT_S = 5.0
+# Per-tensor digests sent in one audit at most (names and digests: ~50 bytes each); past it
+# the first ones only, marked truncated.
+MAX_TENSORS = 40_000
+
+
+class ReplicasDiverged(RuntimeError):
+    """Replicas that must hold the same weights differ, under `--policy audit=strict`: every
+    rank raises it at the same stop step, with the same report."""
+
+    def __init__(self, step: int, headline: str, report: str) -> None:
+        super().__init__(f"{headline}\n{report}")
+        self.step, self.headline, self.report = step, headline, report
+
+
+def tensor_digests(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[tuple[str, bytes]]:
+    """(name, digest) of every parameter and buffer in manifest order, then (with
+    `optimizer`) of every tensor in its state, as `optimizer.state.<param>.<key>`."""
+    from agent.digest import tensor_digest, weight_digests
+
+    out = weight_digests(model)
+    if optimizer is not None:
+        for index, state in sorted(optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                if hasattr(value, "data_ptr"):
+                    name = f"optimizer.state.{index}.{key}"
+                    out.append((name, tensor_digest(name, value)))
+    return out
+
+
+class Auditor:
+    """One rank's audits of one formed cohort."""
+
+    def __init__(self, identity: RankIdentity, cohort_id: str, round_: int, group: str) -> None:
+        self.identity, self.cohort_id, self.round, self.group = identity, cohort_id, round_, group
+        self.kept: OrderedDict[int, list[tuple[str, bytes]]] = OrderedDict()
+        self.queue: deque[pb.RankAudit] = deque(maxlen=QUEUED)
+        self.asked: deque[int] = deque()  # steps whose per-tensor digests were asked for
+        self.cond = threading.Condition()
+        self.level = ""
+        self.stop_step = 0
+        self.headline = self.report = ""
+        self.diverged_step = 0
+        self._told = 0  # the divergence last printed (its step)
+        self._unreachable = False
+        self._thread: threading.Thread | None = None
+        self._stub: pb_grpc.CohortServiceStub | None = None
+        self._channel: grpc.Channel | None = None
+        self._security: ClientSecurity | None = None
+        self._upstream: Upstream | None = None
+        self._addr = ""
+
+    # -- the training thread ---------------------------------------------------------------
+    def audit(self, model: Any, step: int, optimizer: Any = None) -> None:
+        self._raise_if_stopped(step)
+        if self.level == "off":
+            return
+        tensors = tensor_digests(model, optimizer)
+        with self.cond:
+            self.kept[step] = tensors
+            while len(self.kept) > KEPT_STEPS:
+                self.kept.popitem(last=False)
+            audit = self._base(step)
+            audit.digest, audit.digest_format = combine(tensors), DIGEST_FORMAT_VERSION
+            self.queue.append(audit)
+            self.cond.notify()
+        self._start()
+        self._say_divergence()
+
+    def _raise_if_stopped(self, step: int) -> None:
+        with self.cond:
+            stop, headline, report = self.stop_step, self.headline, self.report
+        if not stop or step < stop:
+            return
+        from agent.torchrun import write_error_file
+
+        ident = self.identity
+        said = f"[cohortgate] rank {ident.rank} on {ident.host}: stopped at step {step}: {headline}"
+        if ident.local_rank == 0:
+            said += f"\n{report}"
+        print(said, file=sys.stderr, flush=True)
+        write_error_file(ident.error_file, f"ReplicasDiverged: {headline}", f"{headline}\n{report}")
+        raise ReplicasDiverged(step, headline, report)
+
+    def _say_divergence(self) -> None:
+        """Under warn: the divergence once per rank (the report once per node)."""
+        with self.cond:
+            step, headline, report = self.diverged_step, self.headline, self.report
+        if not step or step == self._told or not headline:
+            return
+        self._told = step
+        said = f"[cohortgate] rank {self.identity.rank} on {self.identity.host}: {headline}"
+        if self.identity.local_rank == 0:
+            said += f"\n{report}"
+        print(said, file=sys.stderr, flush=True)
+
+    # -- the sender thread -----------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cohortgate-audit", daemon=True)
+            self._thread.start()
+
+    def _base(self, step: int) -> pb.RankAudit:
+        from coordinator.api.v1 import cohort_pb2 as pb
+
+        ident = self.identity
+        return pb.RankAudit(
+            cohort_id=self.cohort_id,
+            job_id=ident.job_id,
+            round=self.round,
+            rank=ident.rank,
+            world_size=ident.world_size,
+            host=ident.host,
+            incarnation=ident.incarnation,
+            step=step,
+            group=self.group,
+        )
+
+    def _next(self) -> pb.RankAudit:
+        """The next message: per-tensor digests asked for first (a message of their own),
+        else the oldest audit."""
+        with self.cond:
+            while not self.queue and not self.asked:
+                self.cond.wait()
+            if not self.asked:
+                return self.queue.popleft()
+            step = self.asked.popleft()
+            tensors = self.kept.get(step, [])
+        audit = self._base(step)
+        audit.tensor_names.extend(n for n, _ in tensors[:MAX_TENSORS])
+        audit.tensor_digests.extend(d for _, d in tensors[:MAX_TENSORS])
+        audit.tensors_truncated = len(tensors) > MAX_TENSORS
+        return audit
+
+    def _run(self) -> None:
+        while True:
+            audit = self._next()
+            try:
+                reply = self._send(audit)
+            except Exception as exc:  # never the training's problem
+                self._lost(exc)
+                continue
+            if self._upstream is not None:
+                self._upstream.reached()
+            if self._unreachable:
+                self._unreachable = False
+                log.warning("cohortgate: the coordinator answers audits again")
+            for answer in reply.answers:
+                if answer.cohort_id == self.cohort_id:
+                    self._heard(answer)
+
+    def _send(self, audit: pb.RankAudit) -> pb.AuditReply:
+        from coordinator.api.v1 import cohort_pb2 as pb
+
+        stub, metadata = self._connected()
+        reply: pb.AuditReply = stub.Audit(
+            pb.AuditRequest(audits=[audit]), timeout=CALL_TIMEOUT_S, metadata=metadata
+        )
+        return reply
+
+    def _connected(self) -> tuple[pb_grpc.CohortServiceStub, Any]:
+        """The stub for the coordinator tried now (COHORTGATE_ADDR may list replicas)."""
+        from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+        from coordinator.codec.channel import ClientSecurity
+        from coordinator.codec.leader import Upstream
+
+        if self._upstream is None:
+            self._security = ClientSecurity.from_env()
+            self._upstream = Upstream(self.identity.addr)
+        assert self._security is not None
+        if self._stub is None or self._addr != self._upstream.current:
+            if self._channel is not None:
+                self._channel.close()
+            self._addr = self._upstream.current
+            self._channel = self._security.channel(self._addr)
+            self._stub = pb_grpc.CohortServiceStub(self._channel)
+        return self._stub, self._security.metadata()
+
+    def _lost(self, exc: Exception) -> None:
+        """Said once, then retried every 0.5 s; a standby's answer (it names the leader)
+        moves the next call there at once."""
+        if self._upstream is not None and self._upstream.failed(exc) == 0.0:
+            return
+        if not self._unreachable:
+            self._unreachable = True
+            details = getattr(exc, "details", lambda: str(exc))() or type(exc).__name__
+            log.warning(
+                "cohortgate: audits cannot reach the coordinator at %s (%s); training goes "
+                "on, and audits resume when it answers",
+                self.identity.addr,
+                str(details).splitlines()[0][:200],
+            )
+        time.sleep(0.5)
+
+    def _heard(self, answer: pb.AuditAnswer) -> None:
+        with self.cond:
+            self.level = answer.level
+            if answer.report:
+                self.headline, self.report = answer.headline, answer.report
+                self.diverged_step = answer.diverged_step
+            if answer.stop_step:
+                self.stop_step = answer.stop_step
+            for rank, step in zip(answer.tensors_rank, answer.tensors_step, strict=False):
+                if rank == self.identity.rank and step not in self.asked and step in self.kept:
+                    self.asked.append(step)
+                    self.cond.notify()

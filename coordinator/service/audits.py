@@ -1,0 +1,172 @@
+"""Audits during training, on the event loop: each call adds its ranks' audits to their
+cohort's state (decision/audit.py) and answers at once; a sweep once a second compares the
+steps some rank has not sent within --audit-timeout. Findings are logged, counted and kept
+in the history; a cohort's audit state lives by its id while the job audits (beyond
+--job-retention), and a restarted coordinator re-establishes it from the audits themselves
+and from the findings in the history.
+
+Cheap per call: a dict insert per rank, a comparison per step once its last rank is in."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from coordinator.contract.errors import CoordinatorError, InvalidArgument, LimitExceeded
+from coordinator.decision.audit import Answer, AuditFinding, CohortAudits, RankAudit
+from coordinator.decision.formation import FormationOptions
+from coordinator.decision.verdict import Level
+from coordinator.service.observers import Observer
+
+log = structlog.get_logger("cohortgate")
+
+SWEEP_S = 1.0
+# A cohort nobody audited for this long is forgotten (its findings stay in the history).
+IDLE_S = 6 * 3600.0
+MAX_AUDITED = 10_000  # cohorts audited at once
+
+
+class Audits:
+    def __init__(
+        self, options: FormationOptions, observer: Observer, clock: Callable[[], float]
+    ) -> None:
+        self.options, self.observer, self.clock = options, observer, clock
+        self.cohorts: dict[str, CohortAudits] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- calls -----------------------------------------------------------------------------
+    def submit(self, audits: list[RankAudit]) -> list[Answer]:
+        """Add the audits (validated, one job); the answer for each cohort they name."""
+        now = self.clock()
+        touched: dict[str, CohortAudits] = {}
+        for a in audits:
+            c = touched.get(a.cohort_id) or self._cohort(a, now)
+            touched[a.cohort_id] = c
+            if c.level is not Level.OFF:
+                c.add(a, now)
+        self.observer.metrics.audits.inc(len(audits))
+        for c in touched.values():
+            self._drain(c)
+        self._start_sweeping()
+        return [c.answer() for c in touched.values()]
+
+    def _cohort(self, a: RankAudit, now: float) -> CohortAudits:
+        c = self.cohorts.get(a.cohort_id)
+        if c is not None:
+            if c.job_id != a.job_id or c.world_size != a.world_size:
+                raise InvalidArgument(
+                    f"cohort {a.cohort_id[:64]} is audited as job '{c.job_id[:64]}' of "
+                    f"{c.world_size} ranks; this audit says job '{a.job_id[:64]}' of "
+                    f"{a.world_size}"
+                )
+            return c
+        if len(self.cohorts) >= MAX_AUDITED:
+            self._evict(now, IDLE_S / 6)
+            if len(self.cohorts) >= MAX_AUDITED:
+                raise LimitExceeded(
+                    f"{MAX_AUDITED} cohorts are audited at once; no more are taken now"
+                )
+        level = self.options.policies.for_job(a.job_id)["audit"]
+        c = CohortAudits(a.cohort_id, a.job_id, a.world_size, level)
+        self._restore(c)
+        self.cohorts[a.cohort_id] = c
+        self.observer.metrics.audited_cohorts.set(len(self.cohorts))
+        return c
+
+    def _restore(self, c: CohortAudits) -> None:
+        """What the history holds of this cohort (a coordinator restarted, or a failover)."""
+        history = self.observer.history
+        if history is None:
+            return
+        try:
+            found = history.audits(c.job_id)
+        except CoordinatorError as exc:
+            log.warning("audit findings could not be read; not restored", error=str(exc))
+            return
+        for f in found:
+            if f.cohort_id == c.cohort_id:
+                c.restore(f)
+        c.new.clear()
+
+    def _drain(self, c: CohortAudits) -> None:
+        m = self.observer.metrics
+        if c.compared:
+            m.audited_steps.inc(c.compared)
+            c.compared = 0
+        for f in c.new:
+            if f.kind == "diverged":
+                m.divergence.labels(f.level).inc()
+                log.warning(
+                    "replicas diverged",
+                    job=f.job_id[:64],
+                    cohort=f.cohort_id,
+                    step=f.step,
+                    stop_step=f.stop_step,
+                    headline=f.headline,
+                    report=f.report,
+                )
+            else:
+                m.audit_missing.inc()
+                log.warning("audits missing", job=f.job_id[:64], step=f.step, headline=f.headline)
+            if self.observer.history is not None:
+                self.observer.history.record_audit(f)
+        c.new.clear()
+
+    # -- sweeping --------------------------------------------------------------------------
+    def _start_sweeping(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def _sweep_loop(self) -> None:
+        while self.cohorts:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self.sweep()
+            except Exception:  # a bug: logged whole; the next sweep goes on
+                log.exception("audit sweep failed")
+
+    def sweep(self) -> None:
+        now = self.clock()
+        for c in list(self.cohorts.values()):
+            c.sweep(now, self.options.audit_timeout_s)
+            self._drain(c)
+        self._evict(now, IDLE_S)
+
+    def _evict(self, now: float, idle_s: float) -> None:
+        for cohort_id in [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]:
+            del self.cohorts[cohort_id]
+        self.observer.metrics.audited_cohorts.set(len(self.cohorts))
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    # -- reading ---------------------------------------------------------------------------
+    def findings(self, job_id: str) -> list[AuditFinding]:
+        """The job's findings, oldest first: from the history, or from memory without one."""
+        if self.observer.history is not None:
+            return self.observer.history.audits(job_id)
+        held = [f for c in self.cohorts.values() if c.job_id == job_id for f in c.findings]
+        return sorted(held, key=lambda f: f.at)
+
+    def status(self) -> list[dict[str, object]]:
+        """One line per audited cohort, for /status.json and the status page."""
+        out = []
+        for c in self.cohorts.values():
+            out.append(
+                {
+                    "job_id": c.job_id,
+                    "cohort_id": c.cohort_id,
+                    "level": str(c.level),
+                    "ranks": c.world_size,
+                    "last_step": c.last_step,
+                    "last_compared": c.last_compared,
+                    "diverged_step": c.diverged_step,
+                    "stop_step": c.stop_step,
+                    "headline": c.headline,
+                    "missing": list(c.missing[:64]),
+                }
+            )
+        return out
