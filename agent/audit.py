@@ -213,23 +213,30 @@ class Auditor:
             self._addr = self._upstream.current
             self._channel = self._security.channel(self._addr)
             self._stub = pb_grpc.CohortServiceStub(self._channel)
-        return self._stub, self._security.metadata()
+        return self._stub, self._security.metadata
 
     def _lost(self, exc: Exception) -> None:
         """Said once, then retried every 0.5 s; a standby's answer (it names the leader)
-        moves the next call there at once."""
-        if self._upstream is not None and self._upstream.failed(exc) == 0.0:
-            return
+        moves the next call there at once. The audit that failed is dropped: audits are
+        a sample, the next one says as much."""
+        import grpc
+
+        pause: float | None = 0.5
+        if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            assert self._upstream is not None
+            pause = self._upstream.failed(exc)
+            if pause == 0.0:
+                return
         if not self._unreachable:
             self._unreachable = True
-            details = getattr(exc, "details", lambda: str(exc))() or type(exc).__name__
+            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             log.warning(
                 "cohortgate: audits cannot reach the coordinator at %s (%s); training goes "
                 "on, and audits resume when it answers",
-                self.identity.addr,
-                str(details).splitlines()[0][:200],
+                self._upstream or self.identity.addr,
+                str(details or type(exc).__name__).splitlines()[0][:200],
             )
-        time.sleep(0.5)
+        time.sleep(0.5 if pause is None else max(pause, 0.5))
 
     def _heard(self, answer: pb.AuditAnswer) -> None:
         with self.cond:

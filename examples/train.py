@@ -10,6 +10,12 @@ Flags make chosen ranks build a different model, to show a refusal:
   --verify-values   send a digest of the weights' values too
   --resume-rank R   rank R declares another resume step (facts={"resume_step": ...}): the
                     shapes agree, the facts check does not
+  --audit           call cohort.audit(model, step) after every step (replicas compared
+                    during training); --audit-optimizer digests the optimizer state too
+  --flip-rank R --flip-step S
+                    after step S, rank R flips one bit of one weight (a silent data
+                    corruption): the next audit names rank R, its host, the tensor, the step
+  --step-sleep S    sleep S seconds per step (a slower step, as real training has)
   --hold-rank R --hold-file F
                     rank R (the flag repeats) joins only once file F exists: a job with some
                     ranks in and the others still to come (the failover tests hold it so)
@@ -39,7 +45,14 @@ def build_model(hidden: int, float64_block: bool, seed: int = 0) -> nn.Module:
     return model
 
 
-def main() -> int:
+def flip_bit(weight: torch.Tensor) -> None:
+    """One bit of one element, as a faulty GPU or memory would flip it (bit 3 of the
+    mantissa: the value barely moves, training goes on, the loss does not tell)."""
+    with torch.no_grad():
+        weight.view(-1).view(torch.int32)[0] ^= 1 << 3
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -54,8 +67,40 @@ def main() -> int:
     parser.add_argument("--resume-rank", type=int, default=-1, help="(default: none)")
     parser.add_argument("--hold-rank", type=int, action="append", default=[], help="(none)")
     parser.add_argument("--hold-file", default="", help="(default: none)")
-    args = parser.parse_args()
+    parser.add_argument("--audit", action="store_true", help="(default: off)")
+    parser.add_argument("--audit-optimizer", action="store_true", help="(default: off)")
+    parser.add_argument("--flip-rank", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--flip-step", type=int, default=-1, help="(default: none)")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="(default: 0)")
+    return parser.parse_args()
 
+
+def train(args: argparse.Namespace, cohort: agent.Cohort, model: nn.Module) -> int:
+    """DDP steps; with --audit each step's weights are compared across the replicas."""
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(cohort.rank)
+    for step in range(args.steps):
+        x = torch.randn(16, 32, generator=gen)
+        loss = ddp(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if cohort.rank == args.flip_rank and step == args.flip_step:
+            flip_bit(model[2].weight)
+        if args.audit:
+            try:
+                cohort.audit(model, step, optimizer=opt if args.audit_optimizer else None)
+            except agent.ReplicasDiverged:
+                return 5  # said on stderr and in torchrun's error file (--policy audit=strict)
+        if cohort.rank == 0:
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+        time.sleep(args.step_sleep)
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
     rank = int(os.environ["RANK"])
     if rank == args.absent_rank:
         time.sleep(3600)  # alive but never joins: torchrun ends it once the others fail
@@ -88,17 +133,9 @@ def main() -> int:
         print(f"rank {cohort.rank}: all_reduce gave {total.item()}, expected {expected}")
         return 1
 
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(cohort.rank)
-    for step in range(args.steps):
-        x = torch.randn(16, 32, generator=gen)
-        loss = ddp(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if cohort.rank == 0:
-            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    failed = train(args, cohort, model)
+    if failed:
+        return failed
     print(
         f"rank {cohort.rank}/{cohort.world_size}: cohort {cohort.cohort_id} formed, "
         f"all_reduce sum {total.item():g}, trained {args.steps} steps",

@@ -9,7 +9,8 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -21,7 +22,8 @@ from coordinator.codec.leader import addresses
 from coordinator.codec.wire import STATE_NAMES
 from coordinator.contract.addr import DEFAULT_ADDR
 from coordinator.contract.errors import CoordinatorError
-from coordinator.edge.replies import record_to_pb
+from coordinator.edge.replies import finding_to_pb, record_to_pb
+from coordinator.state.base import VerdictStore
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,6 +52,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--addr", help=addr_help)
     p.add_argument("--token", help=token_help)
     p.add_argument("--json", action="store_true", help="machine-readable output (default: a table)")
+    p.add_argument(
+        "--audits",
+        action="store_true",
+        help="the job's audit findings during training (cohort.audit): replicas that "
+        "diverged (step, ranks, hosts, tensors) and ranks that sent no audit in time",
+    )
     p.add_argument(
         "--history",
         help="read this SQLite history file directly instead of asking a coordinator (default: "
@@ -264,20 +272,24 @@ def _print_report(
         print(detail.verdict.refusal.report)
 
 
-def _from_file(path: str, job: str, round_: int) -> pb.VerdictRecord | None:
-    """Raises OSError or CoordinatorError (UNAVAILABLE) when the file cannot be read."""
+_T = TypeVar("_T")
+
+
+def _from_file(path: str, read: Callable[[VerdictStore], _T]) -> _T:
+    """`read` of the history file (OSError or CoordinatorError (UNAVAILABLE) when the file
+    cannot be read)."""
     from coordinator.state.backends import open_verdicts
 
     history = open_verdicts(path, readonly=True)
     try:
-        row = history.get(job, round_)
+        return read(history)
     finally:
         history.close()
-    return None if row is None else record_to_pb(row)
 
 
-def _from_etcd(args: argparse.Namespace) -> pb.VerdictRecord | None:
-    """The verdict from etcd, as any replica reads it (OSError when etcd cannot be read)."""
+def _from_etcd(args: argparse.Namespace, read: Callable[[VerdictStore], _T]) -> _T:
+    """`read` of the history in etcd, as any replica reads it (OSError when etcd cannot be
+    read)."""
     from coordinator.edge.config import ServeConfig, from_env_and_flags
     from coordinator.etcd.client import EtcdThread
     from coordinator.state.backends import open_etcd_verdicts
@@ -290,10 +302,21 @@ def _from_etcd(args: argparse.Namespace) -> pb.VerdictRecord | None:
         history = open_etcd_verdicts(
             etcd, 36500, token=lambda: 0, lost=lambda why: None, readonly=True
         )
-        row = history.get(args.job, args.round)
+        return read(history)
     finally:
         etcd.close()
-    return None if row is None else record_to_pb(row)
+
+
+def _verdict(job: str, round_: int) -> Callable[[VerdictStore], pb.VerdictRecord | None]:
+    def read(history: VerdictStore) -> pb.VerdictRecord | None:
+        row = history.get(job, round_)
+        return None if row is None else record_to_pb(row)
+
+    return read
+
+
+def _audit_records(job: str) -> Callable[[VerdictStore], list[pb.AuditRecord]]:
+    return lambda history: [finding_to_pb(f) for f in history.audits(job)]
 
 
 def _explain_from(
@@ -313,11 +336,13 @@ def _explain_from(
 
 
 def _explain_file(path: str, args: argparse.Namespace) -> pb.VerdictRecord | int:
-    return _explain_from(path, lambda: _from_file(path, args.job, args.round), args)
+    return _explain_from(path, lambda: _from_file(path, _verdict(args.job, args.round)), args)
 
 
 def _explain_etcd(args: argparse.Namespace) -> pb.VerdictRecord | int:
-    return _explain_from(f"etcd {args.etcd}", lambda: _from_etcd(args), args)
+    return _explain_from(
+        f"etcd {args.etcd}", lambda: _from_etcd(args, _verdict(args.job, args.round)), args
+    )
 
 
 def _explain_from_files(
@@ -325,24 +350,27 @@ def _explain_from_files(
 ) -> pb.VerdictRecord | int:
     """No coordinator answers (or it does not hold the job): the history files on this
     machine, the shared one and the one `cohortgate run` kept for this job."""
-    from pathlib import Path
-
-    from coordinator.edge.config import DEFAULT_HISTORY, run_history
-
-    shared = Path(os.environ.get("COHORTGATE_HISTORY") or DEFAULT_HISTORY).expanduser()
-    files = [f for f in (shared, run_history(args.job)) if f.is_file()]
+    files = _local_histories(args.job)
     if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND) or not files:
         return _fail_unknown(addr, args, exc)
     for path in files:
         if exc.code() is grpc.StatusCode.UNAVAILABLE:
             print(f"cohortgate: no coordinator answers at {addr}; reading {path}", file=sys.stderr)
         try:
-            found = _from_file(str(path), args.job, args.round)
+            found = _from_file(str(path), _verdict(args.job, args.round))
         except (OSError, CoordinatorError):  # a file that cannot be read: try the next one
             continue
         if found is not None:
             return found
     return _fail_unknown(addr, args, exc)
+
+
+def _local_histories(job: str) -> list[Path]:
+    """The history files on this machine: the shared one, the one `cohortgate run` kept."""
+    from coordinator.edge.config import DEFAULT_HISTORY, run_history
+
+    shared = Path(os.environ.get("COHORTGATE_HISTORY") or DEFAULT_HISTORY).expanduser()
+    return [f for f in (shared, run_history(job)) if f.is_file()]
 
 
 def _fail_unknown(addr: str, args: argparse.Namespace, exc: grpc.RpcError) -> int:
@@ -353,6 +381,8 @@ def _fail_unknown(addr: str, args: argparse.Namespace, exc: grpc.RpcError) -> in
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    if args.audits:
+        return _explain_audits(args)
     addr = _addr(args)
     record: pb.VerdictRecord | int
     if args.history:
@@ -383,3 +413,68 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print()
         print(record.report)
     return 0
+
+
+def _explain_audits(args: argparse.Namespace) -> int:
+    """`explain JOB --audits`: from --history, --etcd, or the coordinator (its history),
+    falling back to the history files on this machine when none answers."""
+    records: list[pb.AuditRecord] | None = None
+    where = ""
+    try:
+        if args.history:
+            where, records = args.history, _from_file(args.history, _audit_records(args.job))
+        elif args.etcd:
+            where = f"etcd {args.etcd}"
+            records = _from_etcd(args, _audit_records(args.job))
+        else:
+            records = _audits_asked(args)
+    except (OSError, ValueError, CoordinatorError) as exc:
+        print(f"cohortgate: cannot read the audit history in {where}: {exc}", file=sys.stderr)
+        return 1
+    if records is None:
+        return 1
+    if args.json:
+        print(json.dumps([_dict(r) for r in records], indent=1))
+        return 0
+    if not records:
+        print(
+            f"job {args.job}: no audit finding: every audited step agreed, or the job never "
+            "called cohort.audit(model, step)"
+        )
+        return 0
+    for r in records:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.at_unix))
+        stop = f", stopped at step {r.stop_step}" if r.stop_step else ""
+        print(f"{at}Z step {r.step}: {r.kind} ({r.level}{stop}): {r.headline}")
+    last = next((r for r in reversed(records) if r.kind == "diverged"), None)
+    if last is not None:
+        print()
+        print(last.report)
+    return 0
+
+
+def _audits_asked(args: argparse.Namespace) -> list[pb.AuditRecord] | None:
+    """The coordinator's answer to ListAudits; with none answering, this machine's history
+    files (the shared one, and the one `cohortgate run` kept for the job)."""
+    addr = _addr(args)
+    security = ClientSecurity.from_env(token=args.token)
+    with security.channel(addr) as channel:
+        try:
+            reply = pb_grpc.StatusServiceStub(channel).ListAudits(
+                pb.ListAuditsRequest(job_id=args.job), timeout=10, metadata=security.metadata
+            )
+            return list(reply.audits)
+        except grpc.RpcError as exc:
+            error = exc
+    files = _local_histories(args.job)
+    if error.code() is not grpc.StatusCode.UNAVAILABLE or not files:
+        _fail(addr, error)
+        return None
+    found: list[pb.AuditRecord] = []
+    for path in files:
+        print(f"cohortgate: no coordinator answers at {addr}; reading {path}", file=sys.stderr)
+        try:
+            found.extend(_from_file(str(path), _audit_records(args.job)))
+        except (OSError, CoordinatorError):  # a file that cannot be read: the next one
+            continue
+    return sorted(found, key=lambda r: r.at_unix)

@@ -253,8 +253,10 @@ class CohortAudits:
             "What to do: a rank that stops auditing is hung, dead or no longer calls "
             "cohort.audit(); look at those ranks' hosts."
         )
-        self._found(AuditFinding(self.job_id, self.cohort_id, s, "missing", str(self.level),
-                                 headline, report, now))  # fmt: skip
+        level = str(self.level)
+        self._found(
+            AuditFinding(self.job_id, self.cohort_id, s, "missing", level, headline, report, now)
+        )
 
     def _maybe_report(self, now: float) -> None:
         p = self.pending
@@ -303,9 +305,19 @@ class CohortAudits:
             ]
         )
         self.tensors.clear()
-        self._found(AuditFinding(self.job_id, self.cohort_id, p.step, "diverged",
-                                 str(self.level), self.headline, self.report, now,
-                                 self.stop_step))  # fmt: skip
+        self._found(
+            AuditFinding(
+                self.job_id,
+                self.cohort_id,
+                p.step,
+                "diverged",
+                str(self.level),
+                self.headline,
+                self.report,
+                now,
+                self.stop_step,
+            )
+        )
 
     def _tensor_diff(self, ref: _Class, other: _Class, step: int) -> tuple[str, str]:
         """The first differing tensors' names, and a line saying them."""

@@ -62,6 +62,7 @@ def snapshot(coordinator: Coordinator, recent: int = 20) -> dict[str, Any]:
         "replica": replica,
         "waiting": [s.to_dict() for s in summaries if s.state == "waiting"],
         "recent_verdicts": verdicts,
+        "audits": coordinator.audits.status(),
     }
 
 
@@ -113,6 +114,7 @@ def render_page(data: dict[str, Any]) -> str:
             f"<td>{_when(v['decided_at'])}</td></tr>"
         )
     verdicts = "".join(verdict_rows) or "<tr><td colspan=5>no verdict yet</td></tr>"
+    audits = _audit_rows(data.get("audits", []))
     degraded = "".join(
         f"<p class=missing>degraded: {esc(what)}: {esc(why)}</p>"
         for what, why in data.get("degraded", {}).items()
@@ -139,7 +141,29 @@ tr.formed td{{background:#f0fff4}} pre{{white-space:pre-wrap;font-size:12px}}
 <h2>Recent verdicts</h2>
 <table><tr><th>job</th><th>round</th><th>outcome</th><th>reason</th><th>decided</th></tr>
 {verdicts}</table>
+<h2>Audits during training</h2>
+<table><tr><th>job</th><th>ranks</th><th>policy</th><th>last step</th><th>compared to</th>
+<th>state</th></tr>{audits}</table>
 </body></html>"""
+
+
+def _audit_rows(audits: list[dict[str, Any]]) -> str:
+    esc = html.escape
+    rows = []
+    for a in audits:
+        cls, state = "formed", "replicas agree"
+        if a["diverged_step"]:
+            cls, state = "refused", a["headline"]
+            if a["stop_step"]:
+                state += f" (stops at step {a['stop_step']})"
+        elif a["missing"]:
+            cls, state = "refused", f"no audit in time from ranks {a['missing']}"
+        rows.append(
+            f"<tr class={cls}><td>{esc(a['job_id'])}</td><td>{a['ranks']}</td>"
+            f"<td>{esc(a['level'])}</td><td>{a['last_step']}</td><td>{a['last_compared']}</td>"
+            f"<td>{esc(state)}</td></tr>"
+        )
+    return "".join(rows) or "<tr><td colspan=6>no job audits (cohort.audit)</td></tr>"
 
 
 class MetricsServer:

@@ -151,10 +151,15 @@ class Audits:
         held = [f for c in self.cohorts.values() if c.job_id == job_id for f in c.findings]
         return sorted(held, key=lambda f: f.at)
 
-    def status(self) -> list[dict[str, object]]:
-        """One line per audited cohort, for /status.json and the status page."""
+    def status(self, shown: int = 100) -> list[dict[str, object]]:
+        """One line per audited cohort, for /status.json and the status page: those with a
+        divergence first, then those missing ranks, then the most recently audited."""
+        ordered = sorted(
+            self.cohorts.values(),
+            key=lambda c: (not c.diverged_step, not c.missing, -c.last_seen),
+        )
         out = []
-        for c in self.cohorts.values():
+        for c in ordered[:shown]:
             out.append(
                 {
                     "job_id": c.job_id,

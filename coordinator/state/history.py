@@ -9,6 +9,7 @@ as it is and is filed by the next coordinator that opens the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import threading
 import time
@@ -146,26 +147,14 @@ def _file(db: sqlite3.Connection, cohort_ids: list[str] | None = None) -> None:
 
 
 def _audits(db: sqlite3.Connection, findings: list[AuditFinding]) -> None:
+    rows = [dataclasses.astuple(f) for f in findings]  # the fields in _AUDIT's order
     _transaction(
-        db,
-        lambda: db.executemany(
-            f"INSERT INTO audits ({_AUDIT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (
-                    f.job_id,
-                    f.cohort_id,
-                    f.step,
-                    f.kind,
-                    f.level,
-                    f.headline,
-                    f.report,
-                    f.at,
-                    f.stop_step,
-                )
-                for f in findings
-            ],  # fmt: skip
-        ),
+        db, lambda: db.executemany(f"INSERT INTO audits ({_AUDIT}) VALUES ({_marks(9)})", rows)
     )
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
 
 
 class _Writer(threading.Thread):
@@ -222,21 +211,7 @@ class _Writer(threading.Thread):
                 gates, filing, audits = list(self.pending), list(self.filing), list(self.audits)
                 self.busy = True
             try:
-                if self.db is None:
-                    self.db = self.connect()
-                if gates:
-                    _gate(self.db, [row for row, _ in gates])
-                    self._gated(gates)
-                if filing:  # gated by an earlier turn of this loop: their ranks have them
-                    _file(self.db, filing)
-                    with self.cond:
-                        for _ in filing:
-                            self.filing.popleft()
-                if audits:
-                    _audits(self.db, audits)
-                    with self.cond:
-                        for _ in audits:
-                            self.audits.popleft()
+                self._write(gates, filing, audits)
             except sqlite3.Error as exc:
                 self.error = str(exc)
                 self.failed("write", exc)
@@ -253,6 +228,28 @@ class _Writer(threading.Thread):
             with self.cond:
                 self.busy = False
                 self.cond.notify_all()
+
+    def _write(
+        self,
+        gates: list[tuple[VerdictRow, Callable[[], None] | None]],
+        filing: list[str],
+        audits: list[AuditFinding],
+    ) -> None:
+        if self.db is None:
+            self.db = self.connect()
+        if gates:
+            _gate(self.db, [row for row, _ in gates])
+            self._gated(gates)
+        if filing:  # gated by an earlier turn of this loop: their ranks have them
+            _file(self.db, filing)
+            with self.cond:
+                for _ in filing:
+                    self.filing.popleft()
+        if audits:
+            _audits(self.db, audits)
+            with self.cond:
+                for _ in audits:
+                    self.audits.popleft()
 
     def _gated(self, batch: list[tuple[VerdictRow, Callable[[], None] | None]]) -> None:
         """The batch's gates are stored: their verdicts may go out; their rows are next."""
