@@ -237,6 +237,7 @@ def test_a_world_readable_tokens_file_starts_with_a_warning_naming_it(tmp_path: 
 SERVE_FLAGS = [
     "advertise",
     "allow-remote",
+    "audit-timeout",
     "etcd",
     "etcd-ca",
     "etcd-cert",

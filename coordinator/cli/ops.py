@@ -56,7 +56,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--audits",
         action="store_true",
         help="the job's audit findings during training (cohort.audit): replicas that "
-        "diverged (step, ranks, hosts, tensors) and ranks that sent no audit in time",
+        "diverged (step, ranks, hosts, tensors) and ranks that sent no audit in time "
+        "(default: the verdict's report)",
     )
     p.add_argument(
         "--history",
