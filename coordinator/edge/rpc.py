@@ -329,9 +329,17 @@ def _audit(a: pb.RankAudit, limits: Limits, seen: Seen) -> RankAudit:
         )
     elif not a.digest:
         raise InvalidArgument("a RankAudit carries a digest, per-tensor digests, or both")
+    cohort_id = seen.text(a.cohort_id, "cohort_id", 128, required=True)
+    job_id = seen.text(a.job_id, "job_id", MAX_JOB_ID, required=True)
+    if not cohort_id.startswith(f"{job_id}/{a.round}/"):
+        # A cohort id is JOB/ROUND/HASH: one job's audits never touch another job's cohort.
+        raise InvalidArgument(
+            f"cohort_id {cohort_id[:64]!r} is not a cohort of job {job_id[:64]!r} round "
+            f"{a.round} (JOB/ROUND/HASH, as the formed verdict gave it)"
+        )
     return RankAudit(
-        cohort_id=seen.text(a.cohort_id, "cohort_id", 128, required=True),
-        job_id=seen.text(a.job_id, "job_id", MAX_JOB_ID, required=True),
+        cohort_id=cohort_id,
+        job_id=job_id,
         round=a.round,
         rank=a.rank,
         world_size=a.world_size,

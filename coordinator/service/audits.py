@@ -14,7 +14,12 @@ from collections.abc import Callable
 
 import structlog
 
-from coordinator.contract.errors import CoordinatorError, InvalidArgument, LimitExceeded
+from coordinator.contract.errors import (
+    CoordinatorError,
+    FailedPrecondition,
+    InvalidArgument,
+    LimitExceeded,
+)
 from coordinator.decision.audit import Answer, AuditFinding, CohortAudits, RankAudit
 from coordinator.decision.formation import FormationOptions
 from coordinator.decision.verdict import Level
@@ -27,12 +32,20 @@ SWEEP_S = 1.0
 IDLE_S = 6 * 3600.0
 MAX_AUDITED = 10_000  # cohorts audited at once
 
+# (job, round) -> the cohort id it formed as and its ranks' hosts, while the store holds it
+Formed = Callable[[str, int], tuple[str, dict[int, str]] | None]
+
 
 class Audits:
     def __init__(
-        self, options: FormationOptions, observer: Observer, clock: Callable[[], float]
+        self,
+        options: FormationOptions,
+        observer: Observer,
+        clock: Callable[[], float],
+        formed: Formed | None = None,
     ) -> None:
         self.options, self.observer, self.clock = options, observer, clock
+        self.formed: Formed = formed or (lambda job_id, round_: None)
         self.cohorts: dict[str, CohortAudits] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -68,8 +81,16 @@ class Audits:
                 raise LimitExceeded(
                     f"{MAX_AUDITED} cohorts are audited at once; no more are taken now"
                 )
+        held = self.formed(a.job_id, a.round)
+        if held is not None and held[0] != a.cohort_id:
+            raise FailedPrecondition(
+                f"job '{a.job_id[:64]}' round {a.round} formed as cohort {held[0]}; this audit "
+                f"names cohort {a.cohort_id[:64]} (a rank of another launch?): not taken"
+            )
         level = self.options.policies.for_job(a.job_id)["audit"]
         c = CohortAudits(a.cohort_id, a.job_id, a.world_size, level)
+        if held is not None:  # a rank that never audits is named with its host
+            c.hosts.update(held[1])
         self._restore(c)
         self.cohorts[a.cohort_id] = c
         self.observer.metrics.audited_cohorts.set(len(self.cohorts))

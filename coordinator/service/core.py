@@ -23,6 +23,7 @@ from coordinator.contract.manifest import ManifestLike
 from coordinator.decision.audit import Answer, RankAudit
 from coordinator.decision.cohort import UploadKind
 from coordinator.decision.formation import FormationOptions
+from coordinator.decision.verdict import Outcome
 from coordinator.service.admission import Admission
 from coordinator.service.audits import Audits
 from coordinator.service.book import Book
@@ -91,7 +92,7 @@ class Coordinator:
             offload_above=offload_above,
         )
         self.uploads = Uploads(self.store, self.observer, self.evaluate)
-        self.audits = Audits(self.options, self.observer, clock)
+        self.audits = Audits(self.options, self.observer, clock, self._formed)
         # A large listing (status page, ListCohorts) is summarised at most this often:
         # a client polling in a loop must not cost the loop O(cohorts) per call.
         self._listing: dict[str, tuple[float, int, list[CohortSummary]]] = {}
@@ -161,6 +162,14 @@ class Coordinator:
         if refusal is not None:
             raise refusal
         return self.audits.submit(audits)
+
+    def _formed(self, job_id: str, round_: int) -> tuple[str, dict[int, str]] | None:
+        """The cohort id a held (job, round) formed as, and its ranks' hosts; None when the
+        round is not held (past --job-retention, a restart) or did not form."""
+        live = self.store.find(job_id, round_)
+        if live is None or live.verdict is None or live.verdict.outcome is not Outcome.FORMED:
+            return None
+        return live.verdict.cohort_id, {r: m.host for r, m in live.state.members.items()}
 
     # -- status --------------------------------------------------------------------------
     def cohorts(self, job_id: str = "") -> list[LiveCohort]:

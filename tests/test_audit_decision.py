@@ -1,0 +1,193 @@
+"""Audits during training, the pure part (decision/audit.py): which steps are compared, who
+is asked for per-tensor digests, what the report says, when a strict job stops."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from coordinator.decision.audit import (
+    MARGIN_STEPS,
+    MAX_OPEN_STEPS,
+    TENSORS_WAIT_S,
+    CohortAudits,
+    RankAudit,
+)
+from coordinator.decision.verdict import Level
+
+COHORT = "job/1/abcd1234"
+NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+def h(*parts: object) -> bytes:
+    return hashlib.sha256(repr(parts).encode()).digest()
+
+
+def tensors(step: int, changed: str = "") -> tuple[tuple[str, bytes], ...]:
+    return tuple((n, h(n, step, n == changed)) for n in NAMES)
+
+
+def audit(rank: int, step: int, digest: bytes, world: int = 4, **kw: object) -> RankAudit:
+    return RankAudit(
+        cohort_id=COHORT,
+        job_id="job",
+        round=1,
+        rank=rank,
+        world_size=world,
+        host=f"host{rank // 2}",
+        incarnation=f"i{rank}",
+        step=step,
+        digest=digest,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def cohort(level: Level = Level.WARN, world: int = 4) -> CohortAudits:
+    c = CohortAudits(COHORT, "job", world, level)
+    c.hosts.update({r: f"host{r // 2}" for r in range(world)})  # the formed cohort's hosts
+    return c
+
+
+def run_steps(c: CohortAudits, steps: range, odd: dict[int, int], t0: float = 0.0) -> None:
+    """Every rank audits each step 0.2 s apart; odd[rank] = the step its weights changed."""
+    for s in steps:
+        for rank in range(c.world_size):
+            flipped = rank in odd and s >= odd[rank]
+            c.add(audit(rank, s, h("all", s, flipped and rank)), t0 + 0.2 * s)
+
+
+def send_tensors(c: CohortAudits, now: float, changed: dict[int, str]) -> None:
+    """The ranks the answer asks for send their per-tensor digests of the asked step."""
+    for rank, step in c.answer().tensors_for:
+        c.add(audit(rank, step, b"", tensors=tensors(step, changed.get(rank, ""))), now)
+
+
+def test_clean_steps_are_compared_once_all_ranks_sent_and_give_no_finding() -> None:
+    c = cohort()
+    run_steps(c, range(20), {})
+    assert c.compared == 20 and c.last_compared == 19 and not c.steps
+    assert c.findings == [] and c.answer().tensors_for == () and c.answer().report == ""
+
+
+def test_a_rank_that_changed_is_asked_about_then_named_with_host_tensor_and_step() -> None:
+    c = cohort()
+    run_steps(c, range(8), {2: 5})
+    # One rank of each digest class is asked for its per-tensor digests of step 5.
+    assert c.answer().tensors_for == ((0, 5), (2, 5))
+    assert c.findings == []  # the report waits for them
+    send_tensors(c, 2.0, {2: "2.weight"})
+    (found,) = c.findings
+    assert (found.kind, found.step, found.level, found.stop_step) == ("diverged", 5, "warn", 0)
+    assert found.headline == (
+        "replicas diverged at step 5: rank 2 on host1 differs from ranks 0-1,3 in 2.weight"
+    )
+    assert "differs:   rank 2 on host1" in found.report
+    assert "1 tensor of 4 differ: 2.weight (rank 2 against rank 0)" in found.report
+    assert "The job goes on (audit policy warn)" in found.report
+    answer = c.answer()
+    assert (answer.headline, answer.diverged_step, answer.stop_step) == (found.headline, 5, 0)
+    assert answer.tensors_for == ()
+
+
+def test_the_same_divergence_standing_is_reported_once() -> None:
+    c = cohort()
+    run_steps(c, range(8), {2: 5})
+    send_tensors(c, 2.0, {2: "2.weight"})
+    run_steps(c, range(8, 30), {2: 5})
+    assert [f.kind for f in c.findings] == ["diverged"]
+    assert c.answer().tensors_for == ()
+
+
+def test_strict_picks_one_stop_step_ahead_of_the_fastest_rank_for_every_rank() -> None:
+    c = cohort(Level.STRICT)
+    run_steps(c, range(8), {2: 5})
+    c.add(audit(1, 8, h("all", 8, False)), 1.6)  # rank 1 ran ahead
+    send_tensors(c, 1.7, {2: "2.weight"})
+    (found,) = c.findings
+    # 0.2 s a step: a second ahead is 5 steps past the fastest rank's step 8.
+    assert found.stop_step == 8 + 5 >= 8 + MARGIN_STEPS
+    assert f"stops the job at step {found.stop_step}" in found.report
+    assert c.answer().stop_step == found.stop_step
+
+
+def test_under_a_layout_only_ranks_of_one_replica_group_are_compared() -> None:
+    c = cohort()
+    groups = {0: "tp=0", 1: "tp=1", 2: "tp=0", 3: "tp=1"}
+    for s in range(3):  # tp slices hold different weights: no finding
+        for rank in range(4):
+            c.add(audit(rank, s, h("slice", rank % 2), group=groups[rank]), 0.2 * s)
+    assert c.findings == [] and c.compared == 3
+    for rank in range(4):
+        digest = h("slice", rank % 2, rank == 3)
+        c.add(audit(rank, 3, digest, group=groups[rank]), 0.6)
+    assert c.answer().tensors_for == ((1, 3), (3, 3))  # group tp=1 only
+    send_tensors(c, 0.7, {3: "0.bias"})
+    (found,) = c.findings
+    assert "replica group tp=1 (ranks that must hold the same values)" in found.report
+    assert "no majority in replica group tp=1: rank 1 on host0 and rank 3 on host1" in (
+        found.headline
+    )
+    assert "tp=0" not in found.report
+
+
+def test_a_rank_that_does_not_send_is_named_at_the_bound_not_waited_for() -> None:
+    c = cohort()
+    for s in range(3):
+        for rank in (0, 1, 3):
+            c.add(audit(rank, s, h("all", s)), 0.2 * s)
+    assert c.compared == 0  # waiting for rank 2
+    c.sweep(30.0, bound_s=60.0)
+    assert c.compared == 0
+    c.sweep(60.5, bound_s=60.0)
+    assert c.compared == 3
+    (found,) = c.findings  # the same ranks missing again is not a new finding
+    assert (found.kind, found.step) == ("missing", 0)
+    assert found.headline == "step 0: rank 2 on host1 sent no audit in time"
+    assert "compared across the 3 ranks that did" in found.report
+
+
+def test_per_tensor_digests_that_never_come_still_give_a_report() -> None:
+    c = cohort()
+    run_steps(c, range(7), {2: 5})
+    c.add(audit(0, 5, b"", tensors=tensors(5)), 1.3)  # rank 2 never answers
+    c.sweep(1.0 + TENSORS_WAIT_S - 0.1, bound_s=60.0)
+    assert c.findings == []
+    c.sweep(1.0 + TENSORS_WAIT_S + 0.1, bound_s=60.0)
+    (found,) = c.findings
+    assert "rank 2 did not send its per-tensor digests: tensors not named" in found.report
+    assert found.headline.endswith("differs from ranks 0-1,3")
+
+
+def test_a_restored_divergence_is_told_again_with_its_stop_step_and_not_found_anew() -> None:
+    first = cohort(Level.STRICT)
+    run_steps(first, range(8), {2: 5})
+    send_tensors(first, 1.6, {2: "2.weight"})
+    (found,) = first.findings
+    again = cohort(Level.STRICT)  # a restarted coordinator, from its history
+    again.restore(found)
+    run_steps(again, range(8, 12), {2: 5})
+    assert again.findings == [found]  # restored; the same ranks differing is no new finding
+    answer = again.answer()
+    assert (answer.stop_step, answer.report) == (found.stop_step, found.report)
+
+
+def test_steps_held_open_are_bounded_by_a_stalled_rank() -> None:
+    c = cohort()
+    for s in range(MAX_OPEN_STEPS + 10):
+        for rank in (0, 1, 2):  # rank 3 is stalled
+            c.add(audit(rank, s, h("all", s)), 0.01 * s)
+    assert len(c.steps) == MAX_OPEN_STEPS
+    assert c.last_compared == 9
+    assert [f.headline for f in c.findings] == ["step 0: rank 3 on host1 sent no audit in time"]
+
+
+@pytest.mark.parametrize("late_step", [0, 3])
+def test_a_rank_that_comes_back_late_for_a_compared_step_changes_nothing(late_step: int) -> None:
+    c = cohort()
+    for s in range(5):
+        for rank in (0, 1, 2):
+            c.add(audit(rank, s, h("all", s)), 0.2 * s)
+    c.sweep(100.0, bound_s=60.0)
+    c.add(audit(3, late_step, h("other")), 100.1)
+    assert not c.steps and [f.kind for f in c.findings] == ["missing"]
