@@ -34,11 +34,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("cohortgate.agent")
 
 KEPT_STEPS = 8
-QUEUED = 4  # audits waiting to be sent; past it the oldest is dropped (a slow coordinator)
+# Audits waiting to be sent (all of them go in the next call); past it the oldest is
+# dropped: a coordinator that did not answer for this many audited steps.
+QUEUED = 64
 CALL_TIMEOUT_S = 5.0
 # Per-tensor digests sent in one audit at most (names and digests: ~50 bytes each); past it
 # the first ones only, marked truncated.
 MAX_TENSORS = 40_000
+
+
+def audit_every() -> int:
+    """COHORTGATE_AUDIT_EVERY: audit only the steps that are a multiple of it (default 1:
+    every call). The same on every rank, so the ranks audit the same steps."""
+    import os
+
+    from agent.torchrun import AgentConfigError
+
+    text = os.environ.get("COHORTGATE_AUDIT_EVERY", "").strip() or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise AgentConfigError(
+            f"COHORTGATE_AUDIT_EVERY={text!r} is not a whole number of steps >= 1 (audit "
+            "every Nth step; unset audits every step)"
+        )
+    return int(text)
 
 
 class ReplicasDiverged(RuntimeError):
@@ -81,6 +99,7 @@ class Auditor:
         self.headline = self.report = ""
         self.diverged_step = 0
         self._told = 0  # the divergence last printed (its step)
+        self.every = audit_every()
         self._unreachable = False
         self._thread: threading.Thread | None = None
         self._stub: pb_grpc.CohortServiceStub | None = None
@@ -90,9 +109,9 @@ class Auditor:
         self._addr = ""
 
     # -- the training thread ---------------------------------------------------------------
-    def audit(self, model: Any, step: int, optimizer: Any = None) -> None:
+    def audit(self, model: Any, step: int, optimizer: Any = None, every: int = 0) -> None:
         self._raise_if_stopped(step)
-        if self.level == "off":
+        if self.level == "off" or step % (every or self.every):
             return
         tensors = tensor_digests(model, optimizer)
         with self.cond:
@@ -155,27 +174,29 @@ class Auditor:
             group=self.group,
         )
 
-    def _next(self) -> pb.RankAudit:
-        """The next message: per-tensor digests asked for first (a message of their own),
-        else the oldest audit."""
+    def _next(self) -> list[pb.RankAudit]:
+        """The next request's audits: per-tensor digests asked for first (a message of
+        their own), else every audit queued (steps faster than a call: one call for all)."""
         with self.cond:
             while not self.queue and not self.asked:
                 self.cond.wait()
             if not self.asked:
-                return self.queue.popleft()
+                queued = list(self.queue)
+                self.queue.clear()
+                return queued
             step = self.asked.popleft()
             tensors = self.kept.get(step, [])
         audit = self._base(step)
         audit.tensor_names.extend(n for n, _ in tensors[:MAX_TENSORS])
         audit.tensor_digests.extend(d for _, d in tensors[:MAX_TENSORS])
         audit.tensors_truncated = len(tensors) > MAX_TENSORS
-        return audit
+        return [audit]
 
     def _run(self) -> None:
         while True:
-            audit = self._next()
+            audits = self._next()
             try:
-                reply = self._send(audit)
+                reply = self._send(audits)
             except Exception as exc:  # never the training's problem
                 self._lost(exc)
                 continue
@@ -188,12 +209,12 @@ class Auditor:
                 if answer.cohort_id == self.cohort_id:
                     self._heard(answer)
 
-    def _send(self, audit: pb.RankAudit) -> pb.AuditReply:
+    def _send(self, audits: list[pb.RankAudit]) -> pb.AuditReply:
         from coordinator.api.v1 import cohort_pb2 as pb
 
         stub, metadata = self._connected()
         reply: pb.AuditReply = stub.Audit(
-            pb.AuditRequest(audits=[audit]), timeout=CALL_TIMEOUT_S, metadata=metadata
+            pb.AuditRequest(audits=audits), timeout=CALL_TIMEOUT_S, metadata=metadata
         )
         return reply
 

@@ -45,7 +45,9 @@ class Cohort:
     identity: RankIdentity | None = field(default=None, compare=False, repr=False)
     replica_group: str = ""
 
-    def audit(self, model: torch.nn.Module, step: int, optimizer: Any = None) -> None:
+    def audit(
+        self, model: torch.nn.Module, step: int, optimizer: Any = None, every: int = 0
+    ) -> None:
         """Digest this rank's weights (and `optimizer`'s state) on their device and send the
         digest to the coordinator from a background thread: the step waits for the digest
         only, never for the coordinator. The coordinator compares the ranks that must hold
@@ -53,7 +55,11 @@ class Cohort:
         names the rank, host, tensors and step where they differ. Under `--policy
         audit=strict` every rank raises ReplicasDiverged at the stop step the coordinator
         picked, with the same report (in torchrun's root cause too). An unreachable
-        coordinator is said once; training goes on."""
+        coordinator is said once; training goes on.
+
+        `every` (default: $COHORTGATE_AUDIT_EVERY, else 1): only steps that are a multiple
+        of it are digested and sent; the others cost nothing. Call it every step either way:
+        a strict stop is raised at the first call at or past the stop step."""
         from agent.audit import Auditor
 
         if self.identity is None:
@@ -64,7 +70,7 @@ class Cohort:
             auditor = _AUDITORS[key] = Auditor(
                 self.identity, self.cohort_id, self.round, self.replica_group
             )
-        auditor.audit(model, step, optimizer)
+        auditor.audit(model, step, optimizer, every)
 
     def store(self, timeout: timedelta = timedelta(minutes=10)) -> Store:
         """The cohort's rendezvous store, for init_process_group(store=...).

@@ -16,6 +16,8 @@ Flags make chosen ranks build a different model, to show a refusal:
                     after step S, rank R flips one bit of one weight (a silent data
                     corruption): the next audit names rank R, its host, the tensor, the step
   --step-sleep S    sleep S seconds per step (a slower step, as real training has)
+  --quiet           no line per step; rank 0 still prints the mean step time and, with
+                    --audit, the time the training thread spent in cohort.audit()
   --hold-rank R --hold-file F
                     rank R (the flag repeats) joins only once file F exists: a job with some
                     ranks in and the others still to come (the failover tests hold it so)
@@ -72,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--flip-rank", type=int, default=-1, help="(default: none)")
     parser.add_argument("--flip-step", type=int, default=-1, help="(default: none)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="(default: 0)")
+    parser.add_argument("--quiet", action="store_true", help="no line per step (default: off)")
     return parser.parse_args()
 
 
@@ -80,7 +83,9 @@ def train(args: argparse.Namespace, cohort: agent.Cohort, model: nn.Module) -> i
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(cohort.rank)
+    stepping = auditing = 0.0  # seconds in the steps (without --step-sleep), in audit()
     for step in range(args.steps):
+        started = time.perf_counter()
         x = torch.randn(16, 32, generator=gen)
         loss = ddp(x).pow(2).mean()
         opt.zero_grad()
@@ -89,13 +94,22 @@ def train(args: argparse.Namespace, cohort: agent.Cohort, model: nn.Module) -> i
         if cohort.rank == args.flip_rank and step == args.flip_step:
             flip_bit(model[2].weight)
         if args.audit:
+            audit_at = time.perf_counter()
             try:
                 cohort.audit(model, step, optimizer=opt if args.audit_optimizer else None)
             except agent.ReplicasDiverged:
                 return 5  # said on stderr and in torchrun's error file (--policy audit=strict)
-        if cohort.rank == 0:
+            auditing += time.perf_counter() - audit_at
+        stepping += time.perf_counter() - started
+        if cohort.rank == 0 and not args.quiet:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
         time.sleep(args.step_sleep)
+    if cohort.rank == 0 and args.steps:
+        print(
+            f"rank 0: step time {1e3 * stepping / args.steps:.3f} ms, of which cohort.audit "
+            f"{1e3 * auditing / args.steps:.3f} ms (mean of {args.steps} steps)",
+            flush=True,
+        )
     return 0
 
 

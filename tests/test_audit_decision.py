@@ -105,8 +105,9 @@ def test_strict_picks_one_stop_step_ahead_of_the_fastest_rank_for_every_rank() -
     c.add(audit(1, 8, h("all", 8, False)), 1.6)  # rank 1 ran ahead
     send_tensors(c, 1.7, {2: "2.weight"})
     (found,) = c.findings
-    # 0.2 s a step: a second ahead is 5 steps past the fastest rank's step 8.
-    assert found.stop_step == 8 + 5 >= 8 + MARGIN_STEPS
+    # 0.2 s a step: a second ahead is 5 steps past the fastest rank's step 8, and two
+    # audits on (every step is audited: 2 more).
+    assert found.stop_step == 8 + 5 + 2 >= 8 + MARGIN_STEPS
     assert f"stops the job at step {found.stop_step}" in found.report
     assert c.answer().stop_step == found.stop_step
 
@@ -191,3 +192,17 @@ def test_a_rank_that_comes_back_late_for_a_compared_step_changes_nothing(late_st
     c.sweep(100.0, bound_s=60.0)
     c.add(audit(3, late_step, h("other")), 100.1)
     assert not c.steps and [f.kind for f in c.findings] == ["missing"]
+
+
+def test_audits_every_10th_step_push_the_stop_two_audits_ahead() -> None:
+    """COHORTGATE_AUDIT_EVERY=10: a rank hears of the stop in the answer to its next
+    audit, 10 steps on, so the stop lands past the one after."""
+    c = cohort(Level.STRICT)
+    for s in range(0, 80, 10):
+        for rank in range(4):
+            c.add(audit(rank, s, h("all", s, rank == 2 and s >= 50)), 0.02 * s)
+    send_tensors(c, 1.6, {2: "2.weight"})
+    (found,) = c.findings
+    assert found.step == 50
+    # 0.02 s a step: a second is 50 steps; then two audits of 10 steps each.
+    assert found.stop_step == 70 + 50 + 20

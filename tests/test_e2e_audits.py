@@ -95,9 +95,10 @@ def test_a_bit_flipped_on_rank_2_is_named_at_the_next_audit_and_training_goes_on
 def test_strict_stops_every_rank_at_one_step_with_the_report_in_torchruns_root_cause(
     tmp_path: Path,
 ) -> None:
-    with coordinator_process(
-        "--join-deadline", "60", "--policy", "audit=strict", tmp=tmp_path
-    ) as (addr, _):
+    with coordinator_process("--join-deadline", "60", "--policy", "audit=strict", tmp=tmp_path) as (
+        addr,
+        _,
+    ):
         result = torchrun(addr, "audit-strict", *AUDITED, *FLIP, tmp=tmp_path)
     out = result.stdout
     assert result.returncode != 0, out
@@ -115,9 +116,10 @@ def test_strict_stops_every_rank_at_one_step_with_the_report_in_torchruns_root_c
 def test_under_tp2_dp2_the_replicas_of_each_slice_are_compared_not_all_ranks(
     tmp_path: Path,
 ) -> None:
-    with coordinator_process(
-        "--join-deadline", "60", "--policy", "audit=strict", tmp=tmp_path
-    ) as (addr, _):
+    with coordinator_process("--join-deadline", "60", "--policy", "audit=strict", tmp=tmp_path) as (
+        addr,
+        _,
+    ):
         args = ("--sizes", "tp=2,dp=2", *AUDITED)
         clean = torchrun(addr, "audit-mesh", *args, tmp=tmp_path, script=PARALLEL)
         assert clean.returncode == 0, clean.stdout  # tp slices differ, their replicas do not
@@ -187,3 +189,29 @@ def test_a_coordinator_restart_mid_training_loses_no_audit_of_the_steps_after_it
     diverged = [r for r in records if r.kind == "diverged"]
     assert [r.step for r in diverged] == [40], records
     assert "rank 2 on" in diverged[0].headline and "2.weight" in diverged[0].headline
+
+
+def test_audits_every_4th_step_find_the_flip_at_the_next_audited_step_and_stop_there(
+    tmp_path: Path,
+) -> None:
+    """COHORTGATE_AUDIT_EVERY=4: steps 0, 4, 8... are audited (the same on every rank, so no
+    rank is ever missing); the flip after step 5 is found at step 8; strict still stops
+    every rank at one step."""
+    with coordinator_process("--join-deadline", "60", "--policy", "audit=strict", tmp=tmp_path) as (
+        addr,
+        _,
+    ):
+        env = launch_env(
+            tmp_path,
+            COHORTGATE_ADDR=addr,
+            COHORTGATE_JOB="audit-every",
+            COHORTGATE_AUDIT_EVERY="4",
+        )
+        args = ["--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", "0"]
+        args += [str(TRAIN), "--audit", "--steps", "60", "--step-sleep", "0.1", *FLIP]
+        (out,) = finish([launch(args, env, tmp_path)])
+        records = audits_of(addr, "audit-every")
+    assert [(r.kind, r.step) for r in records] == [("diverged", 8)], out
+    stops = set(re.findall(r"\[cohortgate\] rank \d+ on \S+: stopped at step (\d+):", out))
+    assert len(stops) == 1 and int(next(iter(stops))) > 8, out
+    assert "replicas diverged at step 8: rank 2 on" in out

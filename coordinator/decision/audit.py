@@ -193,14 +193,18 @@ class CohortAudits:
         del self._pace[:-8]
 
     def _margin(self) -> int:
-        """Steps in MARGIN_S at the pace the steps have arrived (at least MARGIN_STEPS)."""
+        """Steps in MARGIN_S at the pace the steps have arrived (at least MARGIN_STEPS),
+        plus two gaps between audited steps (COHORTGATE_AUDIT_EVERY): a rank hears of the
+        stop in the answer to its next audit."""
         if len(self._pace) < 2:
             return MARGIN_STEPS
         (s0, t0), (s1, t1) = self._pace[0], self._pace[-1]
+        gap = math.ceil((s1 - s0) / (len(self._pace) - 1))
         per_step = (t1 - t0) / max(1, s1 - s0)
         if per_step <= 0:
-            return MAX_MARGIN_STEPS
-        return max(MARGIN_STEPS, min(MAX_MARGIN_STEPS, math.ceil(MARGIN_S / per_step)))
+            return MAX_MARGIN_STEPS + 2 * gap
+        paced = max(MARGIN_STEPS, min(MAX_MARGIN_STEPS, math.ceil(MARGIN_S / per_step)))
+        return paced + 2 * gap
 
     def _compare(self, s: int, now: float) -> None:
         step = self.steps.pop(s)
