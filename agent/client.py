@@ -351,6 +351,32 @@ def _answer(
         _say(f"rank {identity.rank}: the coordinator refused our {what}: {exc.details()}")
 
 
+def _answer_files(
+    stub: pb_grpc.CohortServiceStub,
+    join: pb.JoinRequest,
+    round_: int,
+    identity: RankIdentity,
+    metadata: Sequence[tuple[str, str]],
+) -> None:
+    """The local code files this rank's join fingerprinted (agent.identity.LOCAL_FILES)."""
+    from agent.identity import LOCAL_FILES
+
+    upload = pb.UploadFilesRequest(
+        job_id=join.job_id,
+        round=round_,
+        rank=join.rank,
+        incarnation=join.incarnation,
+        paths=[p for p, _ in LOCAL_FILES],
+        digests=[d for _, d in LOCAL_FILES],
+    )
+    try:
+        stub.UploadFiles(upload, timeout=30.0, metadata=metadata)
+    except grpc.RpcError as exc:
+        if exc.code() in RETRYABLE:
+            raise
+        _say(f"rank {identity.rank}: the coordinator refused our code files: {exc.details()}")
+
+
 def _stream(
     stub: pb_grpc.CohortServiceStub,
     request: pb.JoinRequest,
@@ -376,6 +402,9 @@ def _stream(
         if kind == "manifest_request":
             upload = wire.manifest_answer(request, event.manifest_request.round, manifest)
             _answer(stub.UploadManifestChunks, upload, "manifest", identity, timeout, metadata)
+        elif kind == "digest_request" and event.digest_request.files:
+            # this rank's local code differs from another rank's: name the files
+            _answer_files(stub, request, event.digest_request.round, identity, metadata)
         elif kind == "digest_request":
             # this rank's weights differ from another replica's: name the tensors
             answer = wire.digests_answer(request, event.digest_request.round, digests or ())

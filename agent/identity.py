@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from coordinator.contract.digests import files_field
 from coordinator.contract.fingerprint import canonical
 
 # Packages whose version changes numerics: always named when installed.
@@ -33,28 +34,21 @@ def _git(directory: Path, *args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# The local code files of the last code_fields() call: what this rank uploads when the
+# coordinator asks (DigestRequest.files), to name the files that differ between ranks.
+LOCAL_FILES: list[tuple[str, bytes]] = []
+
+
 def code_fields(packages: Iterable[str] = ()) -> dict[str, str]:
     """The launching script (`__main__`'s file: its path in its git work tree, or its name,
-    and a SHA-256 of its text), the work tree's commit and whether it has local changes, and
-    the versions of NUMERICS_PACKAGES plus `packages` (and COHORTGATE_PACKAGES,
-    comma-separated) that are installed."""
+    and a SHA-256 of its text), the work tree's commit and whether it has local changes, the
+    local modules it imported from that work tree (`modules`: one combined digest; see
+    local_files), and the versions of NUMERICS_PACKAGES plus `packages` (and
+    COHORTGATE_PACKAGES, comma-separated) that are installed."""
     fields: dict[str, str] = {}
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     if script:
-        path = Path(script).resolve()
-        top = _git(path.parent, "rev-parse", "--show-toplevel")
-        name = str(path.relative_to(top)) if top and path.is_relative_to(top) else path.name
-        try:
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        except OSError:
-            digest = "unreadable"
-        fields["script"] = canonical(f"{name} sha256:{digest}")
-        if top:
-            commit = _git(path.parent, "rev-parse", "HEAD")
-            dirty = _git(path.parent, "status", "--porcelain", "--untracked-files=no")
-            if commit:
-                suffix = " (local changes)" if dirty else ""
-                fields["git.commit"] = canonical(f"{commit[:12]}{suffix}")
+        fields.update(_script_fields(Path(script).resolve()))
     named = [*NUMERICS_PACKAGES, *packages]
     named += [p.strip() for p in os.environ.get("COHORTGATE_PACKAGES", "").split(",")]
     for package in dict.fromkeys(p for p in named if p):
@@ -63,6 +57,66 @@ def code_fields(packages: Iterable[str] = ()) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return fields
+
+
+def _script_fields(path: Path) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    top = _git(path.parent, "rev-parse", "--show-toplevel")
+    name = str(path.relative_to(top)) if top and path.is_relative_to(top) else path.name
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        digest = "unreadable"
+    fields["script"] = canonical(f"{name} sha256:{digest}")
+    if not top:
+        return fields
+    commit = _git(path.parent, "rev-parse", "HEAD")
+    dirty = _git(path.parent, "status", "--porcelain", "--untracked-files=no")
+    if commit:
+        suffix = " (local changes)" if dirty else ""
+        fields["git.commit"] = canonical(f"{commit[:12]}{suffix}")
+    files = local_files(Path(top), exclude=path)
+    LOCAL_FILES[:] = files
+    if files:
+        fields["modules"] = files_field(files)
+    return fields
+
+
+def local_files(top: Path, exclude: Path | None = None) -> list[tuple[str, bytes]]:
+    """(path in the work tree, SHA-256 of its bytes) of each module in sys.modules whose
+    file git tracks in the work tree `top`, in path order: the script's own helpers, with
+    their uncommitted edits. Never a file inside a virtual environment (below a folder
+    holding pyvenv.cfg, or a site-packages), nor `exclude` (the script: its own field)."""
+    listed = _git(top, "ls-files", "-z")
+    if not listed:
+        return []
+    tracked = set(listed.split("\0"))
+    root = os.path.realpath(top)
+    out: dict[str, bytes] = {}
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or not file.endswith(".py"):
+            continue
+        if "site-packages" in file or "dist-packages" in file:
+            continue  # installed packages (most of sys.modules): no realpath for them
+        real = os.path.realpath(file)
+        if not real.startswith(root + os.sep) or (exclude and real == str(exclude)):
+            continue
+        rel = os.path.relpath(real, root)
+        if rel in out or rel not in tracked or _in_venv(Path(root), Path(rel)):
+            continue
+        try:
+            out[rel] = hashlib.sha256(Path(real).read_bytes()).digest()
+        except OSError:
+            continue
+    return sorted(out.items())
+
+
+def _in_venv(root: Path, rel: Path) -> bool:
+    parts = rel.parts[:-1]
+    if any(p in ("site-packages", "dist-packages") for p in parts):
+        return True
+    return any((root.joinpath(*parts[: i + 1]) / "pyvenv.cfg").exists() for i in range(len(parts)))
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

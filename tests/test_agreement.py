@@ -251,3 +251,127 @@ def test_the_tokenizer_fingerprint_catches_one_added_special_token() -> None:
     other.add_special_tokens({"additional_special_tokens": ["<tool>"]})
     assert tokenizer_fingerprint(same) != tokenizer_fingerprint(other)
     assert tokenizer_fingerprint(same).startswith("sha256:")
+
+
+# -- the code check's local modules ----------------------------------------------------------
+def _modules(files: dict[str, bytes]) -> Fields:
+    from coordinator.contract.digests import files_field
+
+    fields = {"git.commit": '"abc123 (local changes)"', "modules": files_field(files.items())}
+    return fields_of(fields)
+
+
+def _files(changed: str = "") -> dict[str, bytes]:
+    import hashlib
+
+    names = ("data/loader.py", "helper.py", "model/attn.py")
+    return {n: hashlib.sha256(f"{n}{n == changed}".encode()).digest() for n in names}
+
+
+def test_ranks_whose_local_modules_differ_are_asked_for_their_files_then_the_file_is_named() -> (
+    None
+):
+    odd = {2: _files("helper.py"), 3: _files("helper.py")}
+    files = {r: odd.get(r, _files()) for r in range(4)}
+    s = state({r: {"code": _modules(files[r])} for r in range(4)})
+    strict = FormationOptions(join_deadline_s=60, policies=Policies.parse(["code=strict"]))
+    waiting, _ = judge(s, 1.0, strict)
+    assert waiting.outcome is Outcome.WAITING
+    assert (
+        waiting.reason == "[4/4 ranks joined, their code differs, waiting for 2 code file list(s)]"
+    )
+    assert len(waiting.awaiting_files) == 2
+    for r in (0, 2):  # one rank per class uploads (what the store keeps once checked)
+        s.files[_key(s, r)] = tuple(sorted(files[r].items()))
+    refused, verdict = judge(s, 1.1, strict)
+    assert refused.outcome is Outcome.REFUSED and refused.cause is Cause.CODE
+    assert verdict is not None
+    assert verdict.headline.startswith(
+        "ranks run different training code: code.modules: 1 file differs: helper.py on ranks "
+        "2-3 (node1), against ranks 0-1 (node0)"
+    ), verdict.headline
+
+
+def _key(s: CohortState, rank: int) -> bytes:
+    from coordinator.decision.cohort import modules_key
+
+    return modules_key(s.members[rank])
+
+
+def test_file_lists_that_never_come_still_refuse_once_the_uploads_are_due() -> None:
+    files = {r: _files("model/attn.py" if r == 3 else "") for r in range(4)}
+    s = state({r: {"code": _modules(files[r])} for r in range(4)})
+    strict = FormationOptions(
+        join_deadline_s=60, manifest_timeout_s=5, policies=Policies.parse(["code=strict"])
+    )
+    assert judge(s, 1.0, strict)[0].outcome is Outcome.WAITING
+    refused, verdict = judge(s, 6.0, strict)
+    assert refused.outcome is Outcome.REFUSED and verdict is not None
+    assert (
+        "code.modules: files not named (their ranks did not send the list in time) on rank 3"
+        in (verdict.report)
+    )
+
+
+def test_a_file_imported_on_some_ranks_only_is_named_as_such() -> None:
+    extra = {**_files(), "debug_hooks.py": b"\x01" * 32}
+    files = {r: extra if r == 1 else _files() for r in range(4)}
+    s = state({r: {"code": _modules(files[r])} for r in range(4)})
+    for r in (0, 1):
+        s.files[_key(s, r)] = tuple(sorted(files[r].items()))
+    _, verdict = judge(s, 1.0, OPTS)  # code=warn: forms, with the finding
+    assert verdict is not None and verdict.outcome is Outcome.FORMED
+    assert any(
+        "code.modules: 1 file differs: debug_hooks.py (imported only here) on rank 1" in w
+        for w in verdict.warnings
+    ), verdict.warnings
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "said"),
+    [
+        ({"paths": ["a.py", "b.py"]}, "INVALID_ARGUMENT", "2 paths for 1 digests"),
+        ({"digests": [b"short"]}, "INVALID_ARGUMENT", "digests"),
+        ({"paths": [""]}, "INVALID_ARGUMENT", "paths"),
+        ({"incarnation": "someone-else"}, "FAILED_PRECONDITION", "is not a member"),
+        ({"round": 7}, "NOT_FOUND", "no round 7"),
+        ({"job_id": "no-such-job"}, "NOT_FOUND", "no-such-job"),
+        ({}, "FAILED_PRECONDITION", "joined without a modules field"),
+    ],
+)
+def test_a_bad_code_file_upload_is_refused_with_a_clear_error(
+    change: dict[str, object], code: str, said: str
+) -> None:
+    import threading
+
+    from coordinator.api.v1 import cohort_pb2 as pb
+    from tests.helpers import run_rank, wait_joined
+
+    c = InProcessCoordinator(join_deadline=10)
+    try:
+        m = manifest_of()
+        join = join_request("files-bad", 0, 2, m)
+        waiting = threading.Thread(target=run_rank, args=(c.addr, join, m, 15.0), daemon=True)
+        waiting.start()
+        wait_joined(c.addr, "files-bad", 1)
+        upload = pb.UploadFilesRequest(
+            job_id="files-bad",
+            round=1,
+            rank=0,
+            incarnation=join.incarnation,
+            paths=["a.py"],
+            digests=[b"\x00" * 32],
+        )
+        for name, value in change.items():
+            field = getattr(upload, name)
+            if isinstance(value, list):
+                del field[:]
+                field.extend(value)
+            else:
+                setattr(upload, name, value)
+        with grpc.insecure_channel(c.addr) as ch, pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.CohortServiceStub(ch).UploadFiles(upload, timeout=10)
+        assert caught.value.code().name == code, caught.value.details()
+        assert said in (caught.value.details() or "")
+    finally:
+        c.stop()

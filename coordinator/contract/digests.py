@@ -40,3 +40,21 @@ def differing(
 ) -> list[str]:
     """Names of the tensors whose digests differ, in manifest order."""
     return [n for n, a, b in zip(names, reference, other, strict=True) if a != b]
+
+
+FILES_FORMAT = b"cohortgate.files.v1"
+MAX_FILES = 2000  # local code files one rank names (UploadFiles)
+MAX_FILE_PATH = 200
+
+
+def files_field(files: Iterable[tuple[str, bytes]]) -> str:
+    """The `code` fingerprint's `modules` field: how many local code files, and a SHA-256
+    over their paths and digests in path order ("12 files sha256:<16 hex>"). The agent
+    computes it at join; the coordinator checks an UploadFiles answer against it."""
+    h = hashlib.sha256(FILES_FORMAT)
+    n = 0
+    for path, digest in sorted(files):
+        data = path.encode()
+        h.update(len(data).to_bytes(4, "big") + data + digest)
+        n += 1
+    return f"{n} file{'' if n == 1 else 's'} sha256:{h.hexdigest()[:16]}"

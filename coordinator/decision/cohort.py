@@ -18,6 +18,7 @@ class UploadKind(enum.StrEnum):
 
     MANIFEST = "manifest"  # keyed by signature
     DIGESTS = "digests"  # per-tensor digests, keyed by weights digest
+    FILES = "files"  # local code files, keyed by the `code` fingerprint's modules field
 
 
 # What an invalid upload of each kind failed to match, for reasons and reports.
@@ -26,7 +27,18 @@ INVALID_UPLOAD = {
     "joined with",
     UploadKind.DIGESTS: "uploaded per-tensor digest list(s) did not combine to the weights "
     "digest their rank joined with",
+    UploadKind.FILES: "uploaded code file list(s) did not combine to the modules field their "
+    "rank joined with",
 }
+
+
+def modules_key(member: Member) -> bytes:
+    """The `modules` field of a member's `code` fingerprint (its local code files in one
+    digest), as the key of its FILES uploads; b"" when it sent none."""
+    for name, value in member.agreed.get("code", ()):
+        if name == "modules":
+            return value.encode()
+    return b""
 
 
 @dataclass
@@ -79,6 +91,8 @@ class CohortState:
     invalid_uploads: dict[tuple[UploadKind, bytes], str] = field(default_factory=dict)
     # weights digest -> per-tensor digests (verified against it), fetched on disagreement
     tensor_digests: dict[bytes, tuple[bytes, ...]] = field(default_factory=dict)
+    # modules field -> (path, digest) of each local code file, fetched when ranks differ
+    files: dict[bytes, tuple[tuple[str, bytes], ...]] = field(default_factory=dict)
     complete_at: float | None = None
     last_join_at: float = 0.0
     departures: list[Departure] = field(default_factory=list)

@@ -117,6 +117,7 @@ def _checked(
                 Outcome.WAITING,
                 result.waiting,
                 awaiting_digests=result.awaiting_digests,
+                awaiting_files=result.awaiting_files,
                 recheck_at=due,
             )
         ctx.found += result.findings

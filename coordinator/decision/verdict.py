@@ -88,6 +88,8 @@ class Decision:
     awaiting_manifests: tuple[bytes, ...] = ()
     # Weight digests whose per-tensor digests the decision waits for (WAITING only).
     awaiting_digests: tuple[bytes, ...] = ()
+    # Modules fields whose code file lists the decision waits for (WAITING only).
+    awaiting_files: tuple[bytes, ...] = ()
     findings: tuple[Finding, ...] = ()
     launches: tuple[LaunchGroup, ...] = ()
     weights: str = ""  # a weights refusal's kind: values | unsent | buffers | sharded

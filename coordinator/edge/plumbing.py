@@ -53,8 +53,8 @@ RAW_REQUESTS = frozenset({"UploadManifest", "UploadDigests"})
 # The coordinator also takes joins as bytes: one with a 100k-piece layout is decoded and
 # validated off the loop (small ones, nearly all, inline).
 RAW_JOINS = RAW_REQUESTS | {"Join", "JoinGroup", "JoinPoll"}
-# A relay passes uploads' chunks upstream as they came, too.
-RAW_CHUNKS = RAW_REQUESTS | {"UploadManifestChunks", "UploadDigestsChunks"}
+# A relay passes uploads' chunks upstream as they came, too (and a rank's code files).
+RAW_CHUNKS = RAW_REQUESTS | {"UploadManifestChunks", "UploadDigestsChunks", "UploadFiles"}
 
 
 def _raw(data: bytes) -> bytes:

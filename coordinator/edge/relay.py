@@ -320,6 +320,7 @@ class Relay(pb_grpc.CohortServiceServicer):
     # RAW_REQUESTS, RAW_CHUNKS) with the rank's token; the answer or error comes back.
     UploadManifest = _forwarding("UploadManifest")
     UploadDigests = _forwarding("UploadDigests")
+    UploadFiles = _forwarding("UploadFiles")
     UploadManifestChunks = _forwarding("UploadManifestChunks")
     UploadDigestsChunks = _forwarding("UploadDigestsChunks")
 

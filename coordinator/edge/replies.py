@@ -243,9 +243,12 @@ def event_to_pb(event: JoinEvent) -> pb.JoinEvent | bytes:
         return _verdict_event(event)
     if isinstance(event, UploadAsk):
         ref = event.ref
-        if event.kind is UploadKind.DIGESTS:
+        if event.kind is not UploadKind.MANIFEST:  # per-tensor digests, or code files
+            files = event.kind is UploadKind.FILES
             return pb.JoinEvent(
-                digest_request=pb.DigestRequest(job_id=ref.job_id, round=ref.round, rank=ref.rank)
+                digest_request=pb.DigestRequest(
+                    job_id=ref.job_id, round=ref.round, rank=ref.rank, files=files
+                )
             )
         return pb.JoinEvent(
             manifest_request=pb.ManifestRequest(

@@ -19,7 +19,7 @@ from coordinator.codec.wire import (
     sha256,
     text,
 )
-from coordinator.contract.digests import DIGEST_FORMAT_VERSION
+from coordinator.contract.digests import DIGEST_FORMAT_VERSION, MAX_FILE_PATH, MAX_FILES
 from coordinator.contract.errors import (
     CoordinatorError,
     FailedPrecondition,
@@ -269,6 +269,27 @@ def digests_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[bytes]:
             f"max_manifest_entries={limits.max_manifest_entries}"
         )
     return [bytes(d) for d in req.digests]
+
+
+def files_of(req: pb.UploadFilesRequest) -> tuple[UploadRef, list[tuple[str, bytes]]]:
+    """An UploadFiles answer: who sends it, and its (path, digest) pairs, each checked."""
+    if len(req.paths) != len(req.digests):
+        raise InvalidArgument(f"{len(req.paths)} paths for {len(req.digests)} digests")
+    if len(req.paths) > MAX_FILES:
+        raise LimitExceeded(f"{len(req.paths)} code files; the limit is {MAX_FILES}")
+    files = [
+        (text(p, "paths", MAX_FILE_PATH, required=True), sha256(d, "digests"))
+        for p, d in zip(req.paths, req.digests, strict=True)
+    ]
+    if len({p for p, _ in files}) != len(files):
+        raise InvalidArgument("a path is named twice in the code files")
+    ref = UploadRef(
+        text(req.job_id, "job_id", MAX_JOB_ID, required=True),
+        req.round,
+        req.rank,
+        text(req.incarnation, "incarnation", 128, required=True),
+    )
+    return ref, files
 
 
 def upload_ref(req: pb.UploadManifestHeader) -> UploadRef:

@@ -231,6 +231,18 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             await self._digests(context, Upload.whole(data))
         return pb.UploadDigestsResponse()
 
+    async def UploadFiles(
+        self, request: pb.UploadFilesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UploadFilesResponse:
+        """A rank's local code files, asked for when ranks' code differs (small: at most
+        MAX_FILES paths, one message)."""
+        async with answering(self.coordinator, context, "UploadFiles"):
+            ref, files = rpc.files_of(request)
+            structlog.contextvars.bind_contextvars(job=ref.job_id[:64], rank=ref.rank)
+            self.auth.check_job(_metadata(context), ref.job_id)
+            self.coordinator.upload_files(ref, files)
+        return pb.UploadFilesResponse()
+
     async def UploadDigestsChunks(
         self, chunks: AsyncIterator[pb.UploadChunk], context: grpc.aio.ServicerContext
     ) -> pb.UploadDigestsResponse:

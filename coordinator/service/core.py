@@ -154,6 +154,9 @@ class Coordinator:
     async def upload_digests(self, ref: UploadRef, digests: list[bytes]) -> None:
         await self.uploads.digests(ref, digests)
 
+    def upload_files(self, ref: UploadRef, files: list[tuple[str, bytes]]) -> None:
+        self.uploads.files(ref, files)
+
     # -- audits during training ----------------------------------------------------------
     def audit(self, audits: list[RankAudit]) -> list[Answer]:
         """Rank audits of formed cohorts (one job): what each cohort's ranks are told now. A

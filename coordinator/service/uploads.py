@@ -68,3 +68,13 @@ class Uploads:
             raise
         log.info("weight digests uploaded", job=ref.job_id, round=ref.round, rank=ref.rank)
         self.evaluate(cohort)
+
+    def files(self, ref: UploadRef, files: list[tuple[str, bytes]]) -> None:
+        """A rank's local code files, to name those that differ between ranks."""
+        try:
+            cohort = self.store.upload_files(ref, files)
+        except InvalidUpload as exc:
+            self.evaluate(exc.cohort)  # decided without the file names
+            raise
+        log.info("code files uploaded", job=ref.job_id, round=ref.round, rank=ref.rank)
+        self.evaluate(cohort)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from coordinator.decision.cohort import CohortState, Member, UploadKind
+from coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
 
 
 class UploadRef(NamedTuple):
@@ -24,7 +24,7 @@ class Ask:
     """Rank `rank` (incarnation `incarnation`) is to upload `kind` for the class `key`."""
 
     kind: UploadKind
-    key: bytes  # the class: a signature (manifest) or a weights digest (digests)
+    key: bytes  # the class: a signature (manifest), a weights digest, a modules field
     rank: int
     incarnation: str
     at: float = 0.0  # when this rank was asked
@@ -32,19 +32,21 @@ class Ask:
 
 def key_of(member: Member, kind: UploadKind) -> bytes:
     """The class a member belongs to for uploads of `kind`."""
-    return member.signature if kind is UploadKind.MANIFEST else member.weights_digest
+    if kind is UploadKind.MANIFEST:
+        return member.signature
+    return member.weights_digest if kind is UploadKind.DIGESTS else modules_key(member)
 
 
 def uploaded(state: CohortState, kind: UploadKind, key: bytes) -> bool:
     if kind is UploadKind.MANIFEST:
         return key in state.manifests
-    return key in state.tensor_digests
+    return key in (state.tensor_digests if kind is UploadKind.DIGESTS else state.files)
 
 
 def _ranks_of(state: CohortState, kind: UploadKind, key: bytes) -> list[int] | set[int]:
     if kind is UploadKind.MANIFEST:
         return state.classes.get(key, set())
-    return [r for r, m in state.members.items() if m.weights_digest == key]
+    return [r for r, m in state.members.items() if key_of(m, kind) == key]
 
 
 class Asks:

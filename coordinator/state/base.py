@@ -174,6 +174,12 @@ class CohortStore(abc.ABC):
         `combined`: their combination, when the caller computed it off the event loop."""
 
     @abc.abstractmethod
+    def upload_files(self, ref: UploadRef, files: list[tuple[str, bytes]]) -> LiveCohort:
+        """A rank's local code files (path, digest), checked against the modules field it
+        joined with; one that does not match is kept as unknown (the report cannot name
+        the files) and raises InvalidUpload, without refusing the cohort for it."""
+
+    @abc.abstractmethod
     def apply(
         self, cohort: LiveCohort, decision: Decision, verdict: Verdict | None, now: float
     ) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.contract.digests import DIGEST_BYTES, combine_uploaded
+from coordinator.contract.digests import DIGEST_BYTES, combine_uploaded, files_field
 from coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
@@ -15,7 +15,7 @@ from coordinator.contract.errors import (
 )
 from coordinator.contract.limits import Limits
 from coordinator.contract.manifest import HeldManifest, ManifestLike
-from coordinator.decision.cohort import CohortState, Member, UploadKind
+from coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
 from coordinator.decision.verdict import Decision, Outcome, Verdict
 from coordinator.state.asks import UploadRef, key_of, uploaded
 from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinResult, LiveCohort
@@ -338,6 +338,7 @@ class MemoryStore(CohortStore):
         cohort.manifest_bytes = 0
         cohort.state.manifests.clear()
         cohort.state.tensor_digests.clear()
+        cohort.state.files.clear()
 
     # -- decisions ---------------------------------------------------------------------
     def apply(
@@ -349,6 +350,8 @@ class MemoryStore(CohortStore):
             # One representative per weights digest (its lowest rank) is asked for its list.
             for digest in decision.awaiting_digests:
                 cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest, now=now)
+            for key in decision.awaiting_files:
+                cohort.asks.ask(cohort.state, UploadKind.FILES, key, now=now)
             return True
         assert verdict is not None, "a decided cohort comes with its verdict (judge)"
         cohort.verdict = verdict
@@ -398,6 +401,25 @@ class MemoryStore(CohortStore):
             raise self._invalid(cohort, UploadKind.DIGESTS, member.weights_digest, message)
         cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
         cohort.asks.done(UploadKind.DIGESTS, member.weights_digest)
+        return cohort
+
+    def upload_files(self, ref: UploadRef, files: list[tuple[str, bytes]]) -> LiveCohort:
+        cohort, member = self._member(ref, "code files")
+        key = modules_key(member)
+        if not key:
+            raise FailedPrecondition(
+                f"rank {ref.rank} joined without a modules field; there are no files to name"
+            )
+        cohort.asks.done(UploadKind.FILES, key)
+        if files_field(files).encode() != key:
+            cohort.state.files.setdefault(key, ())  # unknown: the report says so
+            raise InvalidUpload(
+                f"the code files uploaded by rank {ref.rank} (host {member.host}) do not "
+                f"combine to the modules field it joined with ({key.decode()[:64]}): a file "
+                "changed on disk since the join, or agent and coordinator versions differ",
+                cohort,
+            )
+        cohort.state.files.setdefault(key, tuple(files))
         return cohort
 
     def rotate_asks(self, cohort: LiveCohort, after_s: float) -> list[Member]:

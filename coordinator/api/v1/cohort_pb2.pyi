@@ -716,23 +716,87 @@ class DigestRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     round: _builtins.int
     rank: _builtins.int
+    files: _builtins.bool
+    """Not per-tensor digests but this rank's local training code files (the `code` check's
+    `modules` field differs between ranks): answer with UploadFiles, to name the files.
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         round: _builtins.int = ...,
         rank: _builtins.int = ...,
+        files: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "rank", b"rank", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "job_id", b"job_id", "rank", b"rank", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DigestRequest: _TypeAlias = DigestRequest  # noqa: Y015
+
+@_typing.final
+class UploadFilesRequest(_message.Message):
+    """The local modules a rank imported from its script's git work tree: each file's path in
+    the work tree and the SHA-256 of its bytes, in path order (they combine to the `modules`
+    field of its `code` fingerprint; see coordinator/contract/digests.py files_field).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    PATHS_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    round: _builtins.int
+    rank: _builtins.int
+    incarnation: _builtins.str
+    @_builtins.property
+    def paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """32 bytes each, one per path"""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+        paths: _abc.Iterable[_builtins.str] | None = ...,
+        digests: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digests", b"digests", "incarnation", b"incarnation", "job_id", b"job_id", "paths", b"paths", "rank", b"rank", "round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadFilesRequest: _TypeAlias = UploadFilesRequest  # noqa: Y015
+
+@_typing.final
+class UploadFilesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadFilesResponse: _TypeAlias = UploadFilesResponse  # noqa: Y015
 
 @_typing.final
 class UploadDigestsRequest(_message.Message):

@@ -56,6 +56,11 @@ class CohortServiceStub:
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
                 _registered_method=True)
+        self.UploadFiles = channel.unary_unary(
+                '/cohortgate.v1.CohortService/UploadFiles',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.FromString,
+                _registered_method=True)
         self.UploadManifestChunks = channel.stream_unary(
                 '/cohortgate.v1.CohortService/UploadManifestChunks',
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
@@ -109,6 +114,13 @@ class CohortServiceServicer:
 
     def UploadDigests(self, request, context):
         """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadFiles(self, request, context):
+        """A rank asked for its local code files (DigestRequest.files) sends their digests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +187,11 @@ def add_CohortServiceServicer_to_server(servicer, server):
                     servicer.UploadDigests,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
+            ),
+            'UploadFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadFiles,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.SerializeToString,
             ),
             'UploadManifestChunks': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadManifestChunks,
@@ -307,6 +324,33 @@ class CohortService:
             '/cohortgate.v1.CohortService/UploadDigests',
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
             coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.CohortService/UploadFiles',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,8 @@ class CohortServiceStub:
     """
     UploadDigests: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.UploadDigestsRequest, _cohort_pb2.UploadDigestsResponse]
     """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
+    UploadFiles: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.UploadFilesRequest, _cohort_pb2.UploadFilesResponse]
+    """A rank asked for its local code files (DigestRequest.files) sends their digests."""
     UploadManifestChunks: _grpc.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadManifestResponse]
     """The same two answers as a stream of chunks: how an upload larger than one message
     travels (messages are capped at --max-message-bytes, 4 MiB by default, so that no one
@@ -91,6 +93,8 @@ class CohortServiceAsyncStub(CohortServiceStub):
     """
     UploadDigests: _aio.UnaryUnaryMultiCallable[_cohort_pb2.UploadDigestsRequest, _cohort_pb2.UploadDigestsResponse]  # type: ignore[assignment]
     """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
+    UploadFiles: _aio.UnaryUnaryMultiCallable[_cohort_pb2.UploadFilesRequest, _cohort_pb2.UploadFilesResponse]  # type: ignore[assignment]
+    """A rank asked for its local code files (DigestRequest.files) sends their digests."""
     UploadManifestChunks: _aio.StreamUnaryMultiCallable[_cohort_pb2.UploadChunk, _cohort_pb2.UploadManifestResponse]  # type: ignore[assignment]
     """The same two answers as a stream of chunks: how an upload larger than one message
     travels (messages are capped at --max-message-bytes, 4 MiB by default, so that no one
@@ -155,6 +159,14 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cohort_pb2.UploadDigestsResponse, _abc.Awaitable[_cohort_pb2.UploadDigestsResponse]]:
         """Answers a DigestRequest: the rank's per-tensor weight digests, in manifest order."""
+
+    @_abc_1.abstractmethod
+    def UploadFiles(
+        self,
+        request: _cohort_pb2.UploadFilesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.UploadFilesResponse, _abc.Awaitable[_cohort_pb2.UploadFilesResponse]]:
+        """A rank asked for its local code files (DigestRequest.files) sends their digests."""
 
     @_abc_1.abstractmethod
     def UploadManifestChunks(

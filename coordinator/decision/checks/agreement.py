@@ -8,6 +8,7 @@ from collections import Counter
 
 from coordinator.contract.fingerprint import AGREED, Fields, disagreements
 from coordinator.decision.checks.base import Check, Context, Refused, Result
+from coordinator.decision.checks.code_files import files_lines, wanted_files
 from coordinator.decision.verdict import Cause, Finding, Level
 
 
@@ -40,6 +41,16 @@ class AgreementCheck(Check):
         lines, count = disagreements(self.name, sent)
         if not lines:
             return Result()
+        if self.name == "code":
+            wanted = wanted_files(ctx)
+            if wanted:  # one rank per class sends its file list, to name the files
+                n = ctx.cohort.world_size
+                return Result(
+                    waiting=f"[{n}/{n} ranks joined, their code differs, waiting for "
+                    f"{len(wanted)} code file list(s)]",
+                    awaiting_files=wanted,
+                )
+            lines = _with_files(lines, files_lines(ctx.cohort))
         if level is Level.STRICT and not self.partial_strict and None in sent.values():
             level = Level.WARN
         if count > len(lines):
@@ -71,6 +82,14 @@ class AgreementCheck(Check):
                 f"{models} different models (the shape differences below follow from it)."
             )
         return super().heading(r)
+
+
+def _with_files(lines: list[str], named: list[str]) -> list[str]:
+    """The modules field's line replaced by the lines naming the files that differ."""
+    at = next((i for i, line in enumerate(lines) if line.startswith("code.modules:")), None)
+    if at is None or not named:
+        return lines
+    return [*lines[:at], *named, *lines[at + 1 :]]
 
 
 def _minority(sent: dict[int, Fields | None]) -> tuple[int, ...]:

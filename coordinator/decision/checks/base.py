@@ -53,6 +53,7 @@ class Result:
     reason: str = ""  # the refusal's bracketed reason, where the check words its own
     waiting: str = ""  # not decided yet: the reason to wait (uploads asked from ranks)
     awaiting_digests: tuple[bytes, ...] = ()
+    awaiting_files: tuple[bytes, ...] = ()
     weights: str = ""  # which weights refusal: values | unsent | buffers | sharded
 
     @property
