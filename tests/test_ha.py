@@ -254,6 +254,27 @@ def test_a_standby_answers_joins_with_the_leaders_address_which_the_agent_follow
         assert metric(leader, "cohortgate_leader") == 1.0
         assert metric(standby, "cohortgate_leader") == 0.0
         assert metric(leader, "cohortgate_leader_takeovers_total") == 1.0
+        # audits during training: a standby takes none, and names the leader as for joins
+        formed = verdicts[0]
+        assert formed is not None
+        audit = pb.RankAudit(
+            cohort_id=formed.cohort_id,
+            job_id="followed",
+            round=formed.round,
+            rank=0,
+            world_size=2,
+            step=1,
+            digest=b"\x01" * 32,
+            digest_format=2,
+        )
+        with grpc.insecure_channel(standby.addr) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.CohortServiceStub(channel).Audit(pb.AuditRequest(audits=[audit]), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert dict(refused.value.trailing_metadata() or ())[LEADER_KEY] == leader.addr
+        with grpc.insecure_channel(leader.addr) as channel:
+            reply = pb_grpc.CohortServiceStub(channel).Audit(pb.AuditRequest(audits=[audit]))
+        assert reply.answers[0].cohort_id == formed.cohort_id
         # a standby's status says so and lists the leader's verdicts (shared history)
         status = status_json(standby)
         assert status["replica"]["role"] == "standby"  # type: ignore[index]
