@@ -267,9 +267,11 @@ def test_a_standby_answers_joins_with_the_leaders_address_which_the_agent_follow
             digest=b"\x01" * 32,
             digest_format=2,
         )
-        with grpc.insecure_channel(standby.addr) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                pb_grpc.CohortServiceStub(channel).Audit(pb.AuditRequest(audits=[audit]), timeout=5)
+        with (
+            grpc.insecure_channel(standby.addr) as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            pb_grpc.CohortServiceStub(channel).Audit(pb.AuditRequest(audits=[audit]), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert dict(refused.value.trailing_metadata() or ())[LEADER_KEY] == leader.addr
         with grpc.insecure_channel(leader.addr) as channel:
