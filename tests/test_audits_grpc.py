@@ -131,6 +131,7 @@ def test_a_rank_that_diverged_is_named_after_its_tensors_are_asked_for(
     assert explain.returncode == 0, explain.stderr
     (said,) = json.loads(explain.stdout)
     assert said["kind"] == "diverged" and said["report"] == answer.report
+    assert (said["step"], said["stop_step"]) == (3, 0)
 
 
 def test_strict_gives_every_rank_the_same_stop_step(coordinator: InProcessCoordinator) -> None:
@@ -220,3 +221,44 @@ def test_audit_off_takes_audits_and_compares_nothing() -> None:
         assert answer.level == "off" and not answer.tensors_rank and not answer.report
     finally:
         off.stop()
+
+
+def test_audits_outlive_the_jobs_retention_and_are_still_compared() -> None:
+    """--job-retention forgets a decided job (its verdict stays in the history); the job
+    trains on for hours, and its audits are kept by cohort id for as long as it audits."""
+    short = InProcessCoordinator(join_deadline=20, job_retention=0.2)
+    try:
+        v = formed(short.addr, "aud-long", 2)
+        send(short.addr, rank_audit(v, 0, 0), rank_audit(v, 1, 0))
+        give_up = time.monotonic() + 10
+        while short.call(short.running.coordinator.store.holds, "aud-long"):
+            assert time.monotonic() < give_up, "the job was never forgotten"
+            time.sleep(0.1)
+        send(short.addr, rank_audit(v, 0, 1))
+        (answer,) = send(short.addr, rank_audit(v, 1, 1, odd=True)).answers
+        assert sorted(zip(answer.tensors_rank, answer.tensors_step, strict=True)) == [
+            (0, 1),
+            (1, 1),
+        ]
+    finally:
+        short.stop()
+
+
+def test_the_optimizer_state_is_digested_with_the_weights() -> None:
+    import torch
+
+    from agent.audit import tensor_digests
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    names = [n for n, _ in tensor_digests(model, opt)]
+    assert names[:2] == ["weight", "bias"]
+    assert "optimizer.state.0.exp_avg" in names and "optimizer.state.1.exp_avg_sq" in names
+    before = dict(tensor_digests(model, opt))
+    with torch.no_grad():
+        opt.state[model.weight]["exp_avg"][0, 0] += 1e-3
+    after = dict(tensor_digests(model, opt))
+    assert [n for n in before if before[n] != after[n]] == ["optimizer.state.0.exp_avg"]

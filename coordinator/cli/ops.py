@@ -435,7 +435,9 @@ def _explain_audits(args: argparse.Namespace) -> int:
     if records is None:
         return 1
     if args.json:
-        print(json.dumps([_dict(r) for r in records], indent=1))
+        # steps as numbers (protobuf's JSON writes 64-bit integers as strings)
+        rows = [{**_dict(r), "step": r.step, "stop_step": r.stop_step} for r in records]
+        print(json.dumps(rows, indent=1))
         return 0
     if not records:
         print(
