@@ -26,6 +26,7 @@ from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
 from coordinator.codec.channel import ClientSecurity
+from coordinator.contract.digests import DIGEST_FORMAT_VERSION
 from coordinator.contract.layout import Layout
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from coordinator.decision.cohort import Member
@@ -511,3 +512,36 @@ def member_of(rank: int, manifest: Manifest, **overrides: Any) -> Member:
     """A rank's join as the store holds it (a fresh incarnation; rank 0 offers the
     rendezvous), for tests and benches that drive the service or the store directly."""
     return Member(**{**_rank_fields(rank, manifest), **overrides})
+
+
+# -- audits during training -----------------------------------------------------------------
+AUDITED_TENSORS = ("fc.weight", "fc.bias")
+
+
+def rank_audit(
+    v: pb.Verdict, rank: int, step: int, odd: bool = False, **kw: object
+) -> pb.RankAudit:
+    """Rank `rank`'s audit of step `step` of the cohort `v` formed, as the agent sends it
+    (host{rank // 4}); `odd` gives it another digest than its replicas'."""
+    fields: dict[str, object] = {
+        "cohort_id": v.cohort_id,
+        "job_id": v.job_id,
+        "round": v.round,
+        "rank": rank,
+        "world_size": v.world_size,
+        "host": f"host{rank // 4}",
+        "incarnation": f"i{rank}",
+        "step": step,
+        "digest": sha(f"{step}{odd}".encode()),
+        "digest_format": DIGEST_FORMAT_VERSION,
+    }
+    return pb.RankAudit(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def tensors_of(v: pb.Verdict, rank: int, step: int, odd: str = "") -> pb.RankAudit:
+    """Its per-tensor digests of `step`, as a rank asked for them sends them (`odd`: the
+    tensor that differs)."""
+    a = rank_audit(v, rank, step, digest=b"")
+    a.tensor_names.extend(AUDITED_TENSORS)
+    a.tensor_digests.extend(sha(f"{n}{n == odd}".encode()) for n in AUDITED_TENSORS)
+    return a

@@ -14,11 +14,17 @@ import pytest
 
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.contract.digests import DIGEST_FORMAT_VERSION
-from tests.helpers import InProcessCoordinator, manifest_of, one_cohort, run_cohort, sha
+from tests.helpers import (
+    InProcessCoordinator,
+    manifest_of,
+    one_cohort,
+    rank_audit,
+    run_cohort,
+    sha,
+    tensors_of,
+)
 
 pytestmark = pytest.mark.timeout(60)
-NAMES = ("fc.weight", "fc.bias")
 CLI = [sys.executable, "-m", "coordinator.cli"]
 
 
@@ -36,31 +42,6 @@ def formed(addr: str, job: str, world: int = 4) -> pb.Verdict:
     return one_cohort(
         run_cohort(addr, job, dict.fromkeys(range(world), m)), pb.Verdict.OUTCOME_FORMED
     )
-
-
-def rank_audit(
-    v: pb.Verdict, rank: int, step: int, odd: bool = False, **kw: object
-) -> pb.RankAudit:
-    fields: dict[str, object] = {
-        "cohort_id": v.cohort_id,
-        "job_id": v.job_id,
-        "round": v.round,
-        "rank": rank,
-        "world_size": v.world_size,
-        "host": f"host{rank // 4}",
-        "incarnation": f"i{rank}",
-        "step": step,
-        "digest": sha(f"{step}{odd}".encode()),
-        "digest_format": DIGEST_FORMAT_VERSION,
-    }
-    return pb.RankAudit(**{**fields, **kw})  # type: ignore[arg-type]
-
-
-def tensors_of(v: pb.Verdict, rank: int, step: int, odd: str = "") -> pb.RankAudit:
-    a = rank_audit(v, rank, step, digest=b"")
-    a.tensor_names.extend(NAMES)
-    a.tensor_digests.extend(sha(f"{n}{n == odd}".encode()) for n in NAMES)
-    return a
 
 
 def send(addr: str, *audits: pb.RankAudit) -> pb.AuditReply:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +34,10 @@ from tests.helpers import (
     log_events,
     manifest_of,
     one_cohort,
+    rank_audit,
     run_cohort,
     run_rank,
+    tensors_of,
     wait_joined,
 )
 
@@ -317,6 +321,11 @@ def _through(nodes: list[str], job: str, manifests: dict[int, Manifest]) -> list
         )
 
 
+# Relays' audits go up once --local-ranks of them are in; the window (default 0.05 s) is
+# long here so that a loaded machine never splits a step's batch in these tests.
+AUDIT_WINDOW = ("--audit-window", "2")
+
+
 @pytest.fixture
 def rack(tmp_path: Path) -> Iterator[tuple[list[str], int, Path]]:
     """A coordinator, a rack relay (4 ranks) and two node relays (2 ranks each) under it:
@@ -328,7 +337,7 @@ def rack(tmp_path: Path) -> Iterator[tuple[list[str], int, Path]]:
         try:
             rack, rack_port = spawn(
                 tmp_path / "rack-port",
-                ["--upstream", addr, "--local-ranks", "4", "--window", "20", *POLL],
+                ["--upstream", addr, "--local-ranks", "4", "--window", "20", *POLL, *AUDIT_WINDOW],
                 stdout=open(tmp_path / "rack.log", "wb"),  # noqa: SIM115 (closed with it)
                 new_session=True,
                 command="relay",
@@ -338,7 +347,11 @@ def rack(tmp_path: Path) -> Iterator[tuple[list[str], int, Path]]:
             for i in range(2):
                 proc, port = spawn(
                     tmp_path / f"node{i}-port",
-                    ["--upstream", f"127.0.0.1:{rack_port}", "--local-ranks", "2", *POLL],
+                    [
+                        *("--upstream", f"127.0.0.1:{rack_port}", "--local-ranks", "2"),
+                        *POLL,
+                        *AUDIT_WINDOW,
+                    ],
                     stdout=open(tmp_path / f"node{i}.log", "wb"),  # noqa: SIM115
                     new_session=True,
                     command="relay",
@@ -383,6 +396,129 @@ def test_relays_of_relays_join_a_rack_as_one_call(rack: tuple[list[str], int, Pa
         list(pb_grpc.CohortServiceStub(channel).JoinGroup(mixed, timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "of 2 jobs" in (err.value.details() or ""), err.value.details()
+
+
+def _coordinator_of(tmp: Path) -> tuple[str, str]:
+    """The rack's coordinator: (its gRPC address, its metrics URL)."""
+    (port_file,) = tmp.glob("port-*")
+    grpc_port, metrics_port = port_file.read_text().split()[:2]
+    return f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}"
+
+
+def _counted(metrics_url: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5).read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
+    return sum(float(ln.split()[-1]) for ln in lines)
+
+
+def _audit_step(
+    nodes: list[str], audits: dict[int, pb.RankAudit]
+) -> dict[int, pb.AuditReply | grpc.RpcError]:
+    """Each rank's audit through its node relay (ranks 0-1 the first, 2-3 the second), all
+    at once, as a DDP step's ranks send them: each rank's answer, or its error."""
+    channels = {r: grpc.insecure_channel(nodes[r // 2]) for r in audits}
+    start = threading.Barrier(len(audits))
+
+    def one(rank: int) -> pb.AuditReply | grpc.RpcError:
+        stub = pb_grpc.CohortServiceStub(channels[rank])
+        start.wait()
+        try:
+            reply: pb.AuditReply = stub.Audit(pb.AuditRequest(audits=[audits[rank]]), timeout=30)
+            return reply
+        except grpc.RpcError as exc:
+            return exc
+
+    try:
+        with ThreadPoolExecutor(len(audits)) as pool:
+            return dict(zip(audits, pool.map(one, audits), strict=True))
+    finally:
+        for ch in channels.values():
+            ch.close()
+
+
+@pytest.mark.slow
+def test_audits_cross_a_rack_as_one_call_a_step_and_a_bad_one_is_its_ranks_error_only(
+    rack: tuple[list[str], int, Path],
+) -> None:
+    """Node relays batch their ranks' audits, the rack relay its nodes': the coordinator
+    gets one Audit call per step. A malformed audit (rank 1's) spoils its batch at the
+    coordinator: the relays send each request again alone, so rank 1 alone is refused and
+    its node's rank 0 and the other node are answered. The per-tensor digests the
+    coordinator asks for cross both levels and the divergence is named."""
+    nodes, _, log = rack
+    addr, metrics_url = _coordinator_of(log.parent)
+    v = one_cohort(_through(nodes, "rack-audit", dict.fromkeys(range(4), manifest_of())), FORMED)
+    for step in range(3):
+        answers = _audit_step(nodes, {r: rank_audit(v, r, step) for r in range(4)})
+        for answer in answers.values():
+            assert isinstance(answer, pb.AuditReply), answer
+            assert not answer.answers[0].report and not answer.answers[0].tensors_rank
+    assert _counted(metrics_url, "cohortgate_audits_total") == 12
+    assert _counted(metrics_url, "cohortgate_audit_calls_total") == 3  # one per step
+    assert _counted(metrics_url, "cohortgate_audited_steps_total") == 3
+
+    # step 3: rank 3's weights changed; rank 1 sends a digest of 5 bytes
+    step3 = {r: rank_audit(v, r, 3, odd=r == 3) for r in range(4)}
+    answers = _audit_step(nodes, {**step3, 1: rank_audit(v, 1, 3, digest=b"short")})
+    bad = answers.pop(1)
+    assert isinstance(bad, grpc.RpcError), bad
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+    assert "digest" in (bad.details() or ""), bad.details()
+    for rank, answer in answers.items():
+        assert isinstance(answer, pb.AuditReply), (rank, answer)
+        assert answer.answers[0].cohort_id == v.cohort_id
+    # rank 1's step 3 completes the step: the coordinator asks ranks 0 and 3 for tensors
+    (late,) = _audit_step(nodes, {1: step3[1]}).values()
+    assert isinstance(late, pb.AuditReply), late
+    asked = sorted(zip(late.answers[0].tensors_rank, late.answers[0].tensors_step, strict=True))
+    assert asked == [(0, 3), (3, 3)]
+    sent = _audit_step(nodes, {0: tensors_of(v, 0, 3), 3: tensors_of(v, 3, 3, odd="fc.bias")})
+    headline = "replicas diverged at step 3: rank 3 on host0 differs from ranks 0-2 in fc.bias"
+    told = [a.answers[0].headline for a in sent.values() if isinstance(a, pb.AuditReply)]
+    assert headline in told, sent
+    with grpc.insecure_channel(addr) as ch:
+        found = pb_grpc.StatusServiceStub(ch).ListAudits(pb.ListAuditsRequest(job_id="rack-audit"))
+    assert [(r.kind, r.step, r.headline) for r in found.audits] == [("diverged", 3, headline)]
+
+
+@pytest.mark.slow
+def test_a_racks_batch_is_cut_at_the_coordinators_limit_on_audits_per_call(
+    tmp_path: Path,
+) -> None:
+    """A rack relay of 2,048 ranks: two nodes' batches of 600 audits each (ranks that
+    queued many steps while the coordinator was away) would make one call of 1,200, past
+    the coordinator's limit (1,024), refused for every rank; the relay sends the first as
+    soon as the second would pass it, and both are answered, none refused."""
+    with coordinator_process("--join-deadline", "30", tmp=tmp_path) as (addr, _):
+        relay, port = spawn(
+            tmp_path / "rack-port",
+            ["--upstream", addr, "--local-ranks", "2048", *AUDIT_WINDOW],
+            stdout=open(tmp_path / "rack.log", "wb"),  # noqa: SIM115 (closed with it)
+            new_session=True,
+            command="relay",
+        )
+        try:
+            _, metrics_url = _coordinator_of(tmp_path)
+            m = manifest_of()
+            v = one_cohort(run_cohort(addr, "rack-cap", dict.fromkeys(range(4), m)), FORMED)
+            batches = [
+                pb.AuditRequest(audits=[rank_audit(v, r, s) for s in steps for r in range(4)])
+                for steps in (range(0, 150), range(150, 300))
+            ]
+            assert [len(b.audits) for b in batches] == [600, 600]
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, ThreadPoolExecutor(2) as pool:
+                stub = pb_grpc.CohortServiceStub(ch)
+                first = pool.submit(stub.Audit, batches[0], timeout=30)
+                time.sleep(0.3)  # the first batch is held for the rack's other ranks
+                second = pool.submit(stub.Audit, batches[1], timeout=30)
+                replies = [first.result(), second.result()]
+        finally:
+            kill_group(relay)
+        assert [r.answers[0].cohort_id for r in replies] == [v.cohort_id] * 2
+        assert _counted(metrics_url, "cohortgate_rpc_errors_total") == 0  # none refused
+        assert _counted(metrics_url, "cohortgate_audits_total") == 1200
+        assert _counted(metrics_url, "cohortgate_audit_calls_total") == 2
+        assert _counted(metrics_url, "cohortgate_audited_steps_total") == 300
 
 
 @pytest.mark.slow

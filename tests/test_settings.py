@@ -278,6 +278,7 @@ SERVE_FLAGS = [
     "watch-interval",
 ]
 RELAY_FLAGS = [
+    "audit-window",
     "listen",
     "local-ranks",
     "log-format",

@@ -2,7 +2,8 @@
 
 - `VerdictStore` (the part a replicated backend, such as etcd for active/standby
   coordinators, implements): a verdict is stored before it is sent, replayed to a rank
-  that re-joins with its incarnation, and rounds keep counting after a restart.
+  that re-joins with its incarnation, and rounds keep counting after a restart; audit
+  findings are kept per job, oldest first, and outlive a restart.
 - `CohortStore` (live cohorts, held in memory by the leading coordinator): joins, leaves,
   re-joins, intruders of another launch, uploads and asks, and keeping a decision.
 
@@ -27,6 +28,7 @@ from coordinator.contract.errors import (
     InvalidArgument,
     NotFound,
 )
+from coordinator.decision.audit import AuditFinding
 from coordinator.decision.cohort import Member, UploadKind
 from coordinator.decision.formation import FormationOptions
 from coordinator.decision.report import judge
@@ -233,6 +235,32 @@ def test_a_verdict_past_the_retention_is_gone_once_the_store_reopens(
     again = open_verdicts()
     assert [r.round for r in again.recent(10, "j")] == [2], "round 1 is past the retention"
     assert again.verdict_of("j", "a1") is None and again.verdict_of("j", "a2") is not None
+
+
+def finding(job: str, step: int, at: float, kind: str = "diverged") -> AuditFinding:
+    return AuditFinding(
+        job, f"{job}/1/abcd", step, kind, "strict", f"h{step}", f"report {step}", at, step + 9
+    )
+
+
+def test_audit_findings_are_kept_per_job_oldest_first_and_outlive_a_restart(
+    open_verdicts: VerdictOpener,
+) -> None:
+    """What a restarted coordinator (or a new leader) re-establishes a cohort's audits
+    from: every field as recorded, one job's only, the newest `limit`; past the retention
+    they are gone like verdicts."""
+    store = open_verdicts()
+    now = time.time()
+    written = [finding("j", s, now - 10 + s) for s in range(5)]
+    for f in [finding("j", 0, now - 31 * 86400), *reversed(written), finding("k", 7, now)]:
+        store.record_audit(f)
+    assert store.flush(5.0)
+    store.close()
+    again = open_verdicts()
+    assert again.audits("j") == written, "every field, oldest first, none past the retention"
+    assert again.audits("j", limit=2) == written[-2:]
+    assert [f.step for f in again.audits("k")] == [7]
+    assert again.audits("nobody") == []
 
 
 def test_what_the_service_records_replays_through_a_new_coordinator(

@@ -98,6 +98,7 @@ async def _serve(config: ServeConfig | RelayConfig) -> None:
         config.upstream,
         config.listen,
         window_s=config.window,
+        audit_window_s=config.audit_window,
         local_ranks=config.local_ranks,
         max_message_bytes=config.max_message_bytes,
         rank_grace_s=config.rank_grace,

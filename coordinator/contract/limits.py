@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Rank audits in one AuditRequest: a relay's batch (its node's or rack's ranks, each with the
+# audits it had queued). Relays cut their batches at it.
+MAX_AUDITS_PER_CALL = 1024
+
 
 @dataclass(frozen=True)
 class Limits:

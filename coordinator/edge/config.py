@@ -318,6 +318,14 @@ class RelayConfig(BaseModel):
         description="or this many seconds after the first rank joined (a late local rank is "
         "sent on its own at once)",
     )
+    audit_window: float = Field(
+        0.05,
+        gt=0,
+        le=5.0,
+        description="audits (cohort.audit) go upstream as one call once --local-ranks of "
+        "them are in, or this many seconds after the first (DDP keeps a node's ranks within "
+        "milliseconds; training never waits on it)",
+    )
     tls_cert: Path | None = Field(
         None, description="the relay's server certificate (PEM) for TLS on its own port"
     )

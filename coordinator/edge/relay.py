@@ -35,6 +35,7 @@ from coordinator.edge.plumbing import (
     keepalive_client_options,
 )
 from coordinator.edge.relay_audits import UPSTREAM_TIMEOUT_S as AUDIT_TIMEOUT_S
+from coordinator.edge.relay_audits import WINDOW_S as AUDIT_WINDOW_S
 from coordinator.edge.relay_audits import RelayAudits
 
 log = structlog.get_logger("cohortgate.relay")
@@ -180,6 +181,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         security: ClientSecurity | None = None,
         *,
         window_s: float = 2.0,
+        audit_window_s: float = AUDIT_WINDOW_S,
         local_ranks: int = 8,
         max_message_bytes: int = Limits.max_message_bytes,
         rank_grace_s: float = 15.0,
@@ -200,7 +202,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         self._pending: dict[GroupKey, _Group] = {}
         self._sent: dict[GroupKey, int] = {}  # ranks sent upstream per key, until a verdict
         self._tasks: set[asyncio.Task[None]] = set()
-        self.audits = RelayAudits(self._audit_upstream, local_ranks)
+        self.audits = RelayAudits(self._audit_upstream, local_ranks, audit_window_s)
 
     @property
     def upstream(self) -> str:

@@ -18,6 +18,7 @@ from coordinator.edge.exposure import ServerTLS, exposed
 from coordinator.edge.plumbing import RAW_CHUNKS, add_service, keepalive_server_options
 from coordinator.edge.ports import bind
 from coordinator.edge.relay import Relay
+from coordinator.edge.relay_audits import WINDOW_S as AUDIT_WINDOW_S
 
 log = structlog.get_logger("cohortgate.relay")
 
@@ -27,6 +28,7 @@ async def serve_relay(
     listen: str,
     *,
     window_s: float = 2.0,
+    audit_window_s: float = AUDIT_WINDOW_S,
     local_ranks: int = 8,
     port_file: str | None = None,
     max_message_bytes: int = Limits.max_message_bytes,
@@ -40,6 +42,7 @@ async def serve_relay(
         upstream,
         ClientSecurity.from_env(),
         window_s=window_s,
+        audit_window_s=audit_window_s,
         local_ranks=local_ranks,
         max_message_bytes=max_message_bytes,
         rank_grace_s=rank_grace_s,

@@ -27,7 +27,7 @@ from coordinator.contract.errors import (
     LimitExceeded,
 )
 from coordinator.contract.fingerprint import AGREED, Fields, check_fields
-from coordinator.contract.limits import Limits
+from coordinator.contract.limits import MAX_AUDITS_PER_CALL, Limits
 from coordinator.contract.manifest import HeldManifest
 from coordinator.contract.runtime import RUNTIME_FIELDS
 from coordinator.decision.audit import RankAudit
@@ -303,7 +303,7 @@ def upload_ref(req: pb.UploadManifestHeader) -> UploadRef:
 
 
 # -- audits --------------------------------------------------------------------------------
-MAX_AUDITS = 1024  # rank audits in one AuditRequest (a relay's node: its local ranks)
+MAX_AUDITS = MAX_AUDITS_PER_CALL
 
 
 def audits_of(req: pb.AuditRequest, limits: Limits = DEFAULT_LIMITS) -> list[RankAudit]:

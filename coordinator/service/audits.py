@@ -60,6 +60,7 @@ class Audits:
             if c.level is not Level.OFF:
                 c.add(a, now)
         self.observer.metrics.audits.inc(len(audits))
+        self.observer.metrics.audit_calls.inc()
         for c in touched.values():
             self._drain(c)
         self._start_sweeping()

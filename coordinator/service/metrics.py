@@ -102,6 +102,10 @@ class Metrics:
         self.audits = count(
             "audits_total", "Rank audits received (cohort.audit(model, step), one per rank)."
         )
+        self.audit_calls = count(
+            "audit_calls_total",
+            "Audit calls received: one per rank direct, one per node (or rack) through relays.",
+        )
         self.audited_steps = count(
             "audited_steps_total", "Audited steps compared across their cohort's replicas."
         )
