@@ -545,3 +545,13 @@ def tensors_of(v: pb.Verdict, rank: int, step: int, odd: str = "") -> pb.RankAud
     a.tensor_names.extend(AUDITED_TENSORS)
     a.tensor_digests.extend(sha(f"{n}{n == odd}".encode()) for n in AUDITED_TENSORS)
     return a
+
+
+def metric_total(metrics_url: str, name: str) -> float:
+    """The sum of a metric's samples at a coordinator's /metrics: `name` alone, or with a
+    label selector (`name{level="warn"}`)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5).read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
+    return sum(float(ln.split()[-1]) for ln in lines)

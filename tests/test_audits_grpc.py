@@ -17,6 +17,7 @@ from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from tests.helpers import (
     InProcessCoordinator,
     manifest_of,
+    metric_total,
     one_cohort,
     rank_audit,
     run_cohort,
@@ -66,11 +67,7 @@ def list_audits(addr: str, job: str) -> list[pb.AuditRecord]:
 
 
 def metric(c: InProcessCoordinator, name: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{c.metrics_url}/metrics", timeout=5).read().decode()
-    lines = [ln for ln in text.splitlines() if ln.startswith(name)]
-    return sum(float(ln.split()[-1]) for ln in lines)
+    return metric_total(c.metrics_url, name)
 
 
 def test_a_rank_that_diverged_is_named_after_its_tensors_are_asked_for(

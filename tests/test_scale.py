@@ -7,7 +7,6 @@ import os
 import re
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from tests.helpers import (
     launch,
     log_events,
     manifest_of,
+    metric_total,
     one_cohort,
     rank_audit,
     run_cohort,
@@ -405,12 +405,6 @@ def _coordinator_of(tmp: Path) -> tuple[str, str]:
     return f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}"
 
 
-def _counted(metrics_url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5).read().decode()
-    lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
-    return sum(float(ln.split()[-1]) for ln in lines)
-
-
 def _audit_step(
     nodes: list[str], audits: dict[int, pb.RankAudit]
 ) -> dict[int, pb.AuditReply | grpc.RpcError]:
@@ -453,9 +447,9 @@ def test_audits_cross_a_rack_as_one_call_a_step_and_a_bad_one_is_its_ranks_error
         for answer in answers.values():
             assert isinstance(answer, pb.AuditReply), answer
             assert not answer.answers[0].report and not answer.answers[0].tensors_rank
-    assert _counted(metrics_url, "cohortgate_audits_total") == 12
-    assert _counted(metrics_url, "cohortgate_audit_calls_total") == 3  # one per step
-    assert _counted(metrics_url, "cohortgate_audited_steps_total") == 3
+    assert metric_total(metrics_url, "cohortgate_audits_total") == 12
+    assert metric_total(metrics_url, "cohortgate_audit_calls_total") == 3  # one per step
+    assert metric_total(metrics_url, "cohortgate_audited_steps_total") == 3
 
     # step 3: rank 3's weights changed; rank 1 sends a digest of 5 bytes
     step3 = {r: rank_audit(v, r, 3, odd=r == 3) for r in range(4)}
@@ -515,10 +509,10 @@ def test_a_racks_batch_is_cut_at_the_coordinators_limit_on_audits_per_call(
         finally:
             kill_group(relay)
         assert [r.answers[0].cohort_id for r in replies] == [v.cohort_id] * 2
-        assert _counted(metrics_url, "cohortgate_rpc_errors_total") == 0  # none refused
-        assert _counted(metrics_url, "cohortgate_audits_total") == 1200
-        assert _counted(metrics_url, "cohortgate_audit_calls_total") == 2
-        assert _counted(metrics_url, "cohortgate_audited_steps_total") == 300
+        assert metric_total(metrics_url, "cohortgate_rpc_errors_total") == 0  # none refused
+        assert metric_total(metrics_url, "cohortgate_audits_total") == 1200
+        assert metric_total(metrics_url, "cohortgate_audit_calls_total") == 2
+        assert metric_total(metrics_url, "cohortgate_audited_steps_total") == 300
 
 
 @pytest.mark.slow

@@ -303,15 +303,14 @@ def upload_ref(req: pb.UploadManifestHeader) -> UploadRef:
 
 
 # -- audits --------------------------------------------------------------------------------
-MAX_AUDITS = MAX_AUDITS_PER_CALL
-
-
 def audits_of(req: pb.AuditRequest, limits: Limits = DEFAULT_LIMITS) -> list[RankAudit]:
     """An AuditRequest's audits, each validated (one job per request)."""
     if not req.audits:
         raise InvalidArgument("the AuditRequest holds no audits")
-    if len(req.audits) > MAX_AUDITS:
-        raise LimitExceeded(f"{len(req.audits)} audits in one request; the limit is {MAX_AUDITS}")
+    if len(req.audits) > MAX_AUDITS_PER_CALL:
+        raise LimitExceeded(
+            f"{len(req.audits)} audits in one request; the limit is {MAX_AUDITS_PER_CALL}"
+        )
     seen = Seen()
     out = [_audit(a, limits, seen) for a in req.audits]
     if len({a.job_id for a in out}) > 1:
