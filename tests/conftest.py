@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,19 @@ PYTHON = sys.executable
 
 # Tests start subprocesses that import the project from the checkout.
 os.environ.setdefault("PYTHONPATH", str(REPO))
+
+# Nothing a test runs (in this process or a subprocess) writes to the user's home: HOME and
+# the XDG directories are a temporary directory of the session's, removed at its end
+# (`cohortgate run` keeps its history under ~/.local/state/cohortgate otherwise).
+SANDBOX_HOME = Path(tempfile.mkdtemp(prefix="cohortgate-tests-home-"))
+os.environ["HOME"] = str(SANDBOX_HOME)
+for _kind in ("STATE", "CACHE", "CONFIG", "DATA"):
+    os.environ[f"XDG_{_kind}_HOME"] = str(SANDBOX_HOME / f".{_kind.lower()}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(SANDBOX_HOME, ignore_errors=True)
+
 
 # In-process coordinators log through structlog; keep only warnings in the test output
 # (tests that read logs run the coordinator as a subprocess with JSON logs).

@@ -303,16 +303,28 @@ TRAIN = REPO / "examples" / "train.py"
 
 
 def launch_env(tmp: Path, **extra: str) -> dict[str, str]:
-    """The environment of one launch (one node): its own TMPDIR, unbuffered, one thread."""
+    """The environment of one launch (one node): its own TMPDIR and HOME (so `cohortgate
+    run`'s history and anything else written under ~ stays in the test's directory),
+    unbuffered, one thread."""
     tmpdir = tmp / f"tmp-{uuid.uuid4().hex[:6]}"
     tmpdir.mkdir()
     return {
-        **os.environ,
+        **sandboxed_env(tmp),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TMPDIR": str(tmpdir),
         **extra,
     }
+
+
+def sandboxed_env(tmp: Path) -> dict[str, str]:
+    """This process's environment with HOME (and the XDG directories) under `tmp`: a
+    subprocess of a test writes nothing to the user's home directory."""
+    home = tmp / "home"
+    home.mkdir(exist_ok=True)
+    kinds = ("STATE", "CACHE", "CONFIG", "DATA")
+    xdg = {f"XDG_{kind}_HOME": str(home / f".{kind.lower()}") for kind in kinds}
+    return {**os.environ, "HOME": str(home), **xdg}
 
 
 def two_node_args(rdzv: str, job: str, script: Path, *script_args: str) -> list[str]:
@@ -417,8 +429,10 @@ def agent_rank(
     digests: list[bytes] | None = None,
     sharded_without_layout: bool = False,
     layout: Layout | None = None,
+    backoff_max_s: float = 0.5,
 ) -> pb.Verdict:
-    """One rank through the agent's real join client (retries, backoff), without torch."""
+    """One rank through the agent's real join client (retries, backoff), without torch.
+    `backoff_max_s`: 0.5 s for quick tests; the agent's own default is 5 s."""
     from agent.client import JoinOptions, join
     from agent.torchrun import RankIdentity
 
@@ -440,7 +454,7 @@ def agent_rank(
         m,
         init_method="tcp://127.0.0.1:29500" if rank == 0 else "",
         runtime=pb.RuntimeFacts(),
-        options=JoinOptions(timeout_s=timeout_s, backoff_max_s=0.5),
+        options=JoinOptions(timeout_s=timeout_s, backoff_max_s=backoff_max_s),
         digests=digests,
         sharded_without_layout=sharded_without_layout,
         layout=layout,

@@ -18,7 +18,9 @@ class FaultProxy:
     peers' closes and pings are lost too); new connections are accepted and black-holed
     alike. `heal()` forwards again (what was dropped stays lost, as on a partition that
     outlived TCP's retries). `delay(s)` holds every chunk `s` seconds before forwarding.
-    `reset()` ends every open connection with a TCP RST."""
+    `reset()` ends every open connection with a TCP RST; `flap(period, for_s)` does it every
+    `period` seconds for `for_s` (a flapping switch port, a NAT table flush) in the
+    background, and `flapping` waits for it to end."""
 
     def __init__(self, target: str) -> None:
         host, _, port = target.rpartition(":")
@@ -28,6 +30,7 @@ class FaultProxy:
         self.dropping = False
         self.delay_s = 0.0
         self.dropped_bytes = 0
+        self.resets = 0
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -52,6 +55,21 @@ class FaultProxy:
                 with contextlib.suppress(OSError):
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     s.close()
+
+    def flap(self, period_s: float, for_s: float) -> threading.Thread:
+        """Resets every connection every `period_s` for `for_s` seconds, on a thread of its
+        own (joined by the caller, or by `close`)."""
+
+        def flapping() -> None:
+            until = time.monotonic() + for_s
+            while not self._closed.wait(period_s) and time.monotonic() < until:
+                self.reset()
+                self.resets += 1
+
+        thread = threading.Thread(target=flapping, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread
 
     def close(self) -> None:
         self._closed.set()

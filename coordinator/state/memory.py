@@ -45,6 +45,9 @@ class Job:
     rounds: dict[int, LiveCohort] = field(default_factory=dict)
     # incarnation -> round it took part in, for decided rounds still kept
     incarnations: dict[str, int] = field(default_factory=dict)
+    # The newest decided round (or the history's last one): a re-join naming a round after
+    # it names one that was abandoned, even once that round is forgotten.
+    last_decided: int = 0
 
 
 class MemoryStore(CohortStore):
@@ -129,7 +132,7 @@ class MemoryStore(CohortStore):
         if job is None:
             first = self.last_round(intent.job_id) + 1
             cohort = self._new_cohort(intent, first, now)
-            job = Job(intent.job_id, cohort, {first: cohort})
+            job = Job(intent.job_id, cohort, {first: cohort}, last_decided=first - 1)
             self.jobs[intent.job_id] = job
         elif job.current.settled:
             self._check_round(job, intent.round, job.current.round + 1)
@@ -172,18 +175,16 @@ class MemoryStore(CohortStore):
         return JoinResult(cohort, held, replayed=True, successor=True)
 
     def _check_round(self, job: Job, asked: int, open_round: int) -> None:
-        if asked in (0, open_round):
+        """A join that names a round (a re-join after its call dropped) takes part in the
+        open round unless a round since the one it names was decided: those ranks have
+        their verdict. Every round since was abandoned (a flapping network drops all of a
+        job's calls at once, again and again): the rank still belongs in the open round,
+        however many rounds went by and were forgotten meanwhile."""
+        if asked in (0, open_round) or job.last_decided < asked < open_round:
             return
-        over = job.rounds.get(asked)
-        if over is not None and over.abandoned_at is not None:
-            # Nothing was decided there: a re-join takes part in the round that followed,
-            # unless that one was decided meanwhile (its ranks have their verdict).
-            later = (job.rounds.get(r) for r in range(asked + 1, open_round))
-            decided = next((c for c in later if c is not None and c.verdict is not None), None)
-            if decided is None:
-                return
-            over = decided
         if asked < open_round:
+            since = (job.rounds.get(r) for r in range(asked, open_round))
+            over = next((c for c in since if c is not None and c.verdict is not None), None)
             outcome = over.verdict.outcome.value if over and over.verdict else "decided"
             raise FailedPrecondition(
                 f"round {asked} of job '{job.job_id}' is over ({outcome}); the open round is "
@@ -198,7 +199,13 @@ class MemoryStore(CohortStore):
         return LiveCohort(CohortState(intent.job_id, round_, intent.world_size, first_join_at=now))
 
     def _forget_old_rounds(self, job: Job) -> None:
-        old = sorted(job.rounds)[:-ROUNDS_KEPT]
+        """The newest ROUNDS_KEPT rounds stay, counting no abandoned one but the open
+        round: abandoned rounds (a flapping network makes many) never push out a verdict
+        that its ranks' re-joins replay."""
+        rounds = sorted(job.rounds)
+        counted = [r for r in rounds if job.rounds[r].abandoned_at is None or r == rounds[-1]]
+        keep = set(rounds[-ROUNDS_KEPT:]) | set(counted[-ROUNDS_KEPT:])
+        old = [r for r in rounds if r not in keep]
         if not old:
             return
         for round_ in old:
@@ -359,6 +366,7 @@ class MemoryStore(CohortStore):
         self.waiting_cohorts -= 1
         self.waiting_ranks -= len(cohort.state.members)
         job = self.jobs[cohort.job_id]
+        job.last_decided = max(job.last_decided, cohort.round)
         for m in cohort.state.members.values():
             job.incarnations[m.incarnation] = cohort.round
         return True
