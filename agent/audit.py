@@ -13,7 +13,6 @@ rank sends those of the step that differed, and the report names the tensors.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -41,6 +40,14 @@ CALL_TIMEOUT_S = 5.0
 # Per-tensor digests sent in one audit at most (names and digests: ~50 bytes each); past it
 # the first ones only, marked truncated.
 MAX_TENSORS = 40_000
+# A closing rank waits this long at most for its last audited step to be compared: past the
+# coordinator's 10 s for per-tensor digests, so that a divergence found as the job ends is
+# reported before it exits. It asks again this often meanwhile.
+CLOSE_TIMEOUT_S = 15.0
+PROBE_S = 0.1
+# What a process exits with when its exit hook finds a divergence under the strict policy
+# (the script ended without cohort.close(), and the stop step was never reached).
+EXIT_DIVERGED = 5
 
 
 def audit_every() -> int:
@@ -99,6 +106,11 @@ class Auditor:
         self.headline = self.report = ""
         self.diverged_step = 0
         self._told = 0  # the divergence last printed (its step)
+        self.last_step = -1  # the last step this rank queued an audit of
+        self._last: pb.RankAudit | None = None  # that audit, sent again while closing
+        self.compared_until = 0  # what the coordinator last said it has compared
+        self.tensors_pending = False  # a divergence's per-tensor digests still asked for
+        self.closing = self.closed = self.raised = False
         self.every = audit_every()
         self._unreachable = False
         self._thread: threading.Thread | None = None
@@ -121,7 +133,8 @@ class Auditor:
             audit = self._base(step)
             audit.digest, audit.digest_format = combine(tensors), DIGEST_FORMAT_VERSION
             self.queue.append(audit)
-            self.cond.notify()
+            self.last_step, self._last = step, audit
+            self.cond.notify_all()
         self._start()
         self._say_divergence()
 
@@ -130,15 +143,62 @@ class Auditor:
             stop, headline, report = self.stop_step, self.headline, self.report
         if not stop or step < stop:
             return
-        from agent.torchrun import write_error_file
+        self._stop(f"stopped at step {step}", step, headline, report)
 
+    def _stop(self, where: str, step: int, headline: str, report: str) -> None:
+        """Said on stderr (the report once per node), written to torchrun's error file,
+        raised: the same words on every rank."""
+        from agent.torchrun import say, write_error_file
+
+        self.raised = True
         ident = self.identity
-        said = f"[cohortgate] rank {ident.rank} on {ident.host}: stopped at step {step}: {headline}"
+        said = f"[cohortgate] rank {ident.rank} on {ident.host}: {where}: {headline}"
         if ident.local_rank == 0:
             said += f"\n{report}"
-        print(said, file=sys.stderr, flush=True)
+        say(said)
         write_error_file(ident.error_file, f"ReplicasDiverged: {headline}", f"{headline}\n{report}")
         raise ReplicasDiverged(step, headline, report)
+
+    # -- the last word ---------------------------------------------------------------------
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Wait (up to `timeout_s`) until the coordinator has compared this rank's last
+        audited step and reported any divergence it found; under the strict policy, raise
+        ReplicasDiverged if the replicas differed, even when the job ended before the stop
+        step: no job exits 0 with corrupted weights. Idempotent; a rank that already raised
+        at the stop step is not told twice."""
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = self.closing = True
+            self.cond.notify_all()
+            settled = self.cond.wait_for(self._settled, timeout_s) if self._started() else True
+            level, stop = self.level, self.stop_step
+            step, headline, report = self.diverged_step, self.headline, self.report
+        if not settled:
+            log.warning(
+                "cohortgate: the audit of step %d was not compared within %gs of "
+                "cohort.close() (a rank sent none, or the coordinator is unreachable); "
+                "closing without its word",
+                self.last_step,
+                timeout_s,
+            )
+        if self.raised or level == "off":
+            return
+        if level == "strict" and headline:
+            at = f"stop step {stop}" if stop else "the divergence"
+            self._stop(f"closing before {at}", step, headline, report)
+        self._say_divergence()
+
+    def _started(self) -> bool:
+        return self._thread is not None and self._last is not None
+
+    def _settled(self) -> bool:
+        """The coordinator has compared the last step this rank audited, and asks for no
+        per-tensor digests (a divergence's report is out)."""
+        return self.compared_until > self.last_step and not self.tensors_pending
+
+    def _probing(self) -> bool:
+        return self.closing and self._last is not None and not self._settled()
 
     def _say_divergence(self) -> None:
         """Under warn: the divergence once per rank (the report once per node)."""
@@ -150,7 +210,9 @@ class Auditor:
         said = f"[cohortgate] rank {self.identity.rank} on {self.identity.host}: {headline}"
         if self.identity.local_rank == 0:
             said += f"\n{report}"
-        print(said, file=sys.stderr, flush=True)
+        from agent.torchrun import say
+
+        say(said)
 
     # -- the sender thread -----------------------------------------------------------------
     def _start(self) -> None:
@@ -179,7 +241,15 @@ class Auditor:
         their own), else every audit queued (steps faster than a call: one call for all)."""
         with self.cond:
             while not self.queue and not self.asked:
-                self.cond.wait()
+                if not self._probing():
+                    self.cond.wait()
+                    continue
+                # Closing: the last audit again (the coordinator takes it once), for an
+                # answer that says whether its step is compared yet.
+                self.cond.wait(PROBE_S)
+                if not self.queue and not self.asked and self._probing():
+                    assert self._last is not None
+                    return [self._last]
             if not self.asked:
                 queued = list(self.queue)
                 self.queue.clear()
@@ -262,6 +332,9 @@ class Auditor:
     def _heard(self, answer: pb.AuditAnswer) -> None:
         with self.cond:
             self.level = answer.level
+            self.compared_until = max(self.compared_until, answer.compared_until)
+            self.tensors_pending = bool(answer.tensors_rank)
+            self.cond.notify_all()
             if answer.report:
                 self.headline, self.report = answer.headline, answer.report
                 self.diverged_step = answer.diverged_step
@@ -270,4 +343,3 @@ class Auditor:
             for rank, step in zip(answer.tensors_rank, answer.tensors_step, strict=False):
                 if rank == self.identity.rank and step not in self.asked and step in self.kept:
                     self.asked.append(step)
-                    self.cond.notify()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from agent.torchrun import CohortgateError, RankIdentity
+from agent.torchrun import CohortgateError, RankIdentity, say
 from coordinator.api.v1 import cohort_pb2 as pb
 from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.codec import wire
@@ -69,7 +68,7 @@ def _say(message: str) -> None:
     if logger.hasHandlers():
         logger.info(message)
     else:
-        print(f"[cohortgate] {message}", file=sys.stderr, flush=True)
+        say(f"[cohortgate] {message}")
 
 
 def runtime_facts(device_type: str) -> pb.RuntimeFacts:

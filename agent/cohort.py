@@ -17,6 +17,7 @@ from agent.torchrun import (
     CohortgateError,
     RankIdentity,
     free_port,
+    say,
     torchrun_store,
     write_error_file,
 )
@@ -70,7 +71,25 @@ class Cohort:
             auditor = _AUDITORS[key] = Auditor(
                 self.identity, self.cohort_id, self.round, self.replica_group
             )
+            _register_close_at_exit()
         auditor.audit(model, step, optimizer, every)
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """The training loop's last word: wait (up to `timeout_s`) for the audits in flight
+        to be compared, and under `--policy audit=strict` raise ReplicasDiverged if any
+        replicas differed, even when the job ended before the stop step. Leaving a `with
+        cohort:` block does the same; so does the process's exit (exit code 5) for a script
+        that calls neither. Without audits it returns at once."""
+        auditor = _AUDITORS.get((self.cohort_id, self.rank))
+        if auditor is not None:
+            auditor.close(timeout_s)
+
+    def __enter__(self) -> Cohort:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:  # an exception on its way out is the job's error already
+            self.close()
 
     def store(self, timeout: timedelta = timedelta(minutes=10)) -> Store:
         """The cohort's rendezvous store, for init_process_group(store=...).
@@ -133,6 +152,30 @@ def _drain_at_exit() -> None:
     import gc
 
     gc.collect()
+
+
+def _close_at_exit() -> None:
+    """A script that ended without cohort.close(): its audits still get their last word.
+    Under the strict policy a divergence ends the process with EXIT_DIVERGED (an exception
+    raised in an exit hook would leave the exit code 0), once the report is out."""
+    from agent.audit import EXIT_DIVERGED, ReplicasDiverged
+
+    for auditor in list(_AUDITORS.values()):
+        try:
+            auditor.close()
+        except ReplicasDiverged:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_DIVERGED)
+
+
+@functools.cache
+def _register_close_at_exit() -> None:
+    """Registered after _register_drain: exit hooks run last-in first, so this one runs
+    while the process group is still whole."""
+    import atexit
+
+    atexit.register(_close_at_exit)
 
 
 @functools.cache
@@ -265,11 +308,9 @@ def _join(
     if verdict.outcome == pb.Verdict.OUTCOME_FORMED:
         if verdict.warnings and identity.local_rank == 0:  # once per node
             lines = "\n".join(f"  {w}" for w in verdict.warnings)
-            print(
+            say(
                 f"[cohortgate] rank {identity.rank} on {identity.host}: cohort "
-                f"{verdict.cohort_id} formed with warnings:\n{lines}",
-                file=sys.stderr,
-                flush=True,
+                f"{verdict.cohort_id} formed with warnings:\n{lines}"
             )
         _register_drain()
         return Cohort(
@@ -289,7 +330,7 @@ def _join(
     said = f"[cohortgate] rank {identity.rank} on {identity.host}: cohort refused: {headline}"
     if identity.local_rank == 0:
         said += f"\n{report}"
-    print(said, file=sys.stderr, flush=True)
+    say(said)
     # torchrun's summary shows every failed rank's error file: the report once (local
     # rank 0), the others name the culprits and say where the report is.
     body = (

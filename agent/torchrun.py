@@ -17,6 +17,16 @@ if TYPE_CHECKING:
     import grpc
 
 
+def say(text: str) -> None:
+    """`text` and its newline on stderr in one write: a rank's report is several lines, and
+    print() writes the text and the newline apart, so the ranks sharing a terminal (or
+    torchrun's pipe) could interleave their lines."""
+    import sys
+
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 class CohortgateError(RuntimeError):
     """The join failed for a reason other than a refusal (a setting, an unreachable
     coordinator, an error it returned): the message says which and what to do."""

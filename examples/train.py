@@ -18,6 +18,8 @@ Flags make chosen ranks build a different model, to show a refusal:
   --step-sleep S    sleep S seconds per step (a slower step, as real training has)
   --quiet           no line per step; rank 0 still prints the mean step time and, with
                     --audit, the time the training thread spent in cohort.audit()
+  --no-close        (with --audit) skip cohort.close() at the end: the agent's exit hook
+                    has the last word (a strict divergence still exits non-zero, code 5)
   --hold-rank R --hold-file F
                     rank R (the flag repeats) joins only once file F exists: a job with some
                     ranks in and the others still to come (the failover tests hold it so)
@@ -29,12 +31,20 @@ import argparse
 import os
 import sys
 import time
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import agent
+
+
+def say(line: str, stream: TextIO = sys.stdout) -> None:
+    """One whole line in one write: the ranks share the terminal, and print() writes the
+    text and its newline apart, so two ranks' lines could interleave."""
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def build_model(hidden: int, float64_block: bool, seed: int = 0) -> nn.Module:
@@ -58,23 +68,29 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=5, help="DDP steps (default 5)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden width (default 64)")
-    parser.add_argument("--wide-rank", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--wide-node", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--float64-rank", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--absent-rank", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--seed-rank", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--verify-values", action="store_true", help="(default: off)")
-    parser.add_argument("--resume-rank", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--hold-rank", type=int, action="append", default=[], help="(none)")
-    parser.add_argument("--hold-file", default="", help="(default: none)")
-    parser.add_argument("--audit", action="store_true", help="(default: off)")
-    parser.add_argument("--audit-optimizer", action="store_true", help="(default: off)")
-    parser.add_argument("--flip-rank", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--flip-step", type=int, default=-1, help="(default: none)")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="(default: 0)")
-    parser.add_argument("--quiet", action="store_true", help="no line per step (default: off)")
+    add = parser.add_argument
+    add("--steps", type=int, default=5, help="DDP steps (default 5)")
+    add("--hidden", type=int, default=64, help="hidden width (default 64)")
+    add("--wide-rank", type=int, default=-1, help="rank R builds a wider hidden layer")
+    add("--wide-node", type=int, default=-1, help="every rank of node N builds a wider layer")
+    add("--float64-rank", type=int, default=-1, help="rank R holds one block in float64")
+    add("--absent-rank", type=int, default=-1, help="rank R never joins")
+    add("--seed-rank", type=int, default=-1, help="rank R initialises from another seed")
+    add("--verify-values", action="store_true", help="send a digest of the weights' values")
+    add("--resume-rank", type=int, default=-1, help="rank R declares another resume step")
+    add("--hold-rank", type=int, action="append", default=[], help="rank R waits for --hold-file")
+    add("--hold-file", default="", help="the file the --hold-rank ranks wait for")
+    add("--audit", action="store_true", help="cohort.audit(model, step) after every step")
+    add("--audit-optimizer", action="store_true", help="with --audit: the optimizer state too")
+    add("--flip-rank", type=int, default=-1, help="rank R flips one bit after --flip-step")
+    add("--flip-step", type=int, default=-1, help="the step after which --flip-rank flips")
+    add("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (default 0)")
+    add("--quiet", action="store_true", help="no line per step")
+    add(
+        "--no-close",
+        action="store_true",
+        help="skip cohort.close() at the end: the agent's exit hook has the last word",
+    )
     return parser.parse_args()
 
 
@@ -102,14 +118,19 @@ def train(args: argparse.Namespace, cohort: agent.Cohort, model: nn.Module) -> i
             auditing += time.perf_counter() - audit_at
         stepping += time.perf_counter() - started
         if cohort.rank == 0 and not args.quiet:
-            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+            say(f"step {step}: loss {loss.item():.4f}")
         time.sleep(args.step_sleep)
+    if args.audit and not args.no_close:
+        try:  # the audits in flight compared: a divergence found as the job ends stops it
+            cohort.close()
+        except agent.ReplicasDiverged:
+            return 5
     if cohort.rank == 0 and args.steps:
-        print(
-            f"rank 0: step time {1e3 * stepping / args.steps:.3f} ms, of which cohort.audit "
-            f"{1e3 * auditing / args.steps:.3f} ms (mean of {args.steps} steps)",
-            flush=True,
+        audit = (
+            f", of which cohort.audit {1e3 * auditing / args.steps:.3f} ms" if args.audit else ""
         )
+        mean = 1e3 * stepping / args.steps
+        say(f"rank 0: step time {mean:.3f} ms{audit} (mean of {args.steps} steps)")
     return 0
 
 
@@ -136,7 +157,7 @@ def main() -> int:
     except agent.CohortRefused:
         return 3  # the report is already on stderr and in torchrun's error file
     except agent.CohortgateError as exc:  # a setting, an unreachable coordinator: one line
-        print(f"rank {rank}: cohortgate: {exc}", file=sys.stderr, flush=True)
+        say(f"rank {rank}: cohortgate: {exc}", sys.stderr)
         return 4
 
     # The cohort's own endpoint carries the collectives: check it sums correctly.
@@ -144,16 +165,15 @@ def main() -> int:
     dist.all_reduce(total)
     expected = cohort.world_size * (cohort.world_size + 1) / 2
     if total.item() != expected:
-        print(f"rank {cohort.rank}: all_reduce gave {total.item()}, expected {expected}")
+        say(f"rank {cohort.rank}: all_reduce gave {total.item()}, expected {expected}")
         return 1
 
     failed = train(args, cohort, model)
     if failed:
         return failed
-    print(
+    say(
         f"rank {cohort.rank}/{cohort.world_size}: cohort {cohort.cohort_id} formed, "
-        f"all_reduce sum {total.item():g}, trained {args.steps} steps",
-        flush=True,
+        f"all_reduce sum {total.item():g}, trained {args.steps} steps"
     )
     dist.destroy_process_group()
     return 0

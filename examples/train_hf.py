@@ -68,7 +68,8 @@ def main() -> int:
     except agent.CohortRefused:
         return 3
     dist.barrier()
-    print(f"rank {rank}/{cohort.world_size}: cohort {cohort.cohort_id} formed", flush=True)
+    sys.stdout.write(f"rank {rank}/{cohort.world_size}: cohort {cohort.cohort_id} formed\n")
+    sys.stdout.flush()  # one write: the ranks' lines never interleave
     dist.destroy_process_group()
     return 0
 

@@ -112,11 +112,12 @@ def main() -> int:
     failed = train(args, cohort, model, slice_id=pp * 10 + tp)
     if failed:
         return failed
-    print(
+    line = (
         f"rank {cohort.rank}: tp={tp} pp={pp} dp={decl.position['dp']} formed "
-        f"{cohort.cohort_id}, all_reduce {total.item():g}, trained {args.steps} steps",
-        flush=True,
+        f"{cohort.cohort_id}, all_reduce {total.item():g}, trained {args.steps} steps\n"
     )
+    sys.stdout.write(line)  # one write: the ranks' lines never interleave
+    sys.stdout.flush()
     dist.destroy_process_group()
     return 0 if total.item() == cohort.world_size else 1
 

@@ -105,11 +105,33 @@ def test_strict_picks_one_stop_step_ahead_of_the_fastest_rank_for_every_rank() -
     c.add(audit(1, 8, h("all", 8, False)), 1.6)  # rank 1 ran ahead
     send_tensors(c, 1.7, {2: "2.weight"})
     (found,) = c.findings
-    # 0.2 s a step: a second ahead is 5 steps past the fastest rank's step 8, and two
-    # audits on (every step is audited: 2 more).
-    assert found.stop_step == 8 + 5 + 2 >= 8 + MARGIN_STEPS
+    # 0.2 s a step: a quarter second ahead is 2 steps past the fastest rank's step 8, and
+    # two audits on (every step is audited: 2 more).
+    assert found.stop_step == 8 + 2 + 2 >= 8 + MARGIN_STEPS
     assert f"stops the job at step {found.stop_step}" in found.report
     assert c.answer().stop_step == found.stop_step
+
+
+def test_strict_at_a_fast_pace_stops_within_a_quarter_second_of_steps() -> None:
+    """10 ms a step: the stop lands 25 steps (a quarter second) past the fastest rank, plus
+    two audits, not 100 steps on: a job of 30 steps reaches it."""
+    c = cohort(Level.STRICT)
+    for s in range(8):
+        for rank in range(4):
+            c.add(audit(rank, s, h("all", s, rank == 2 and s >= 5)), 0.01 * s)
+    send_tensors(c, 0.09, {2: "2.weight"})
+    (found,) = c.findings
+    assert found.stop_step == 7 + 25 + 2
+
+
+def test_the_answer_says_which_steps_are_compared() -> None:
+    """A closing rank waits until its last step is compared: compared_until is one past it."""
+    c = cohort()
+    assert c.answer().compared_until == 0
+    run_steps(c, range(3), {})
+    assert c.answer().compared_until == 3
+    c.add(audit(0, 3, h("all", 3, False)), 1.0)  # step 3 is open: one rank sent it
+    assert c.answer().compared_until == 3
 
 
 def test_under_a_layout_only_ranks_of_one_replica_group_are_compared() -> None:
@@ -204,5 +226,5 @@ def test_audits_every_10th_step_push_the_stop_two_audits_ahead() -> None:
     send_tensors(c, 1.6, {2: "2.weight"})
     (found,) = c.findings
     assert found.step == 50
-    # 0.02 s a step: a second is 50 steps; then two audits of 10 steps each.
-    assert found.stop_step == 70 + 50 + 20
+    # 0.02 s a step: a quarter second is 13 steps; then two audits of 10 steps each.
+    assert found.stop_step == 70 + 13 + 20

@@ -135,6 +135,35 @@ def test_under_tp2_dp2_the_replicas_of_each_slice_are_compared_not_all_ranks(
     assert "tp=1" not in out[out.index("Root Cause") :]
 
 
+@pytest.mark.parametrize(
+    ("steps", "closing"), [("30", "close"), ("8", "close"), ("8", "exit hook")]
+)
+def test_strict_stops_a_job_that_ends_before_its_stop_step(
+    tmp_path: Path, steps: str, closing: str
+) -> None:
+    """Issue 37's repro: `COHORTGATE_POLICY=audit=strict cohortgate run --nproc-per-node 4
+    examples/train.py --steps 30 --audit --flip-rank 2 --flip-step 5`, steps of a few ms. 8
+    steps end before any stop step (at least two steps past the last one audited); the
+    last word (cohort.close(), or the exit hook of a script that never calls it) still
+    stops every rank with the report, and the job exits non-zero."""
+    env = launch_env(tmp_path, COHORTGATE_POLICY="audit=strict")
+    args = ["--nproc-per-node", "4", "--rdzv-id", f"short-{steps}", str(TRAIN), "--steps", steps]
+    args += ["--audit", "--quiet", *FLIP, *(["--no-close"] if closing == "exit hook" else [])]
+    proc = launch(args, env, tmp_path, via="cohortgate run")
+    (out,) = finish([proc])
+    assert proc.returncode != 0, out
+    # close() raises before the script says it trained; the exit hook comes after it did.
+    assert (f"trained {steps} steps" in out) is (closing == "exit hook"), out
+    headline = HEADLINE.format(host=host_of(out))
+    told = re.findall(
+        r"\[cohortgate\] rank (\d) on \S+: (?:closing before|stopped at) [^:]+: (.*)", out
+    )
+    # The first rank to stop takes the others down (torchrun ends them): some may not speak.
+    assert told and {said for _, said in told} == {headline}, out
+    root = out[out.index("Root Cause (first observed failure)") :]
+    assert "exitcode  : 5" in root and headline in root, root
+
+
 def test_through_cohortgate_run_on_two_nodes_audits_pass_the_node_relays(tmp_path: Path) -> None:
     with coordinator_process("--join-deadline", "120", tmp=tmp_path) as (addr, _):
         rdzv = f"127.0.0.1:{free_port()}"

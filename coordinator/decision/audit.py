@@ -23,8 +23,10 @@ from coordinator.decision.words import hosts as host_list
 from coordinator.decision.words import plural
 
 # A strict stop lands this far ahead of the fastest rank, and at least MARGIN_STEPS: every
-# rank hears of it (in the answer to one of its next audits) before it reaches it.
-MARGIN_S = 1.0
+# rank hears of it (in the answer to one of its next audits, a relay's batch window and a
+# round trip later) before it reaches it. Kept short, so that a job about to end still
+# reaches it; one that ends sooner hears the divergence when it closes (agent/audit.py).
+MARGIN_S = 0.25
 MARGIN_STEPS = 2
 MAX_MARGIN_STEPS = 100
 # How long the ranks asked for per-tensor digests have before the report goes out without.
@@ -79,6 +81,7 @@ class Answer:
     headline: str = ""
     report: str = ""
     diverged_step: int = 0
+    compared_until: int = 0  # one past the highest step compared
 
 
 @dataclass
@@ -173,6 +176,7 @@ class CohortAudits:
             self.headline,
             self.report,
             self.diverged_step,
+            self.last_compared + 1,
         )
 
     def restore(self, finding: AuditFinding) -> None:

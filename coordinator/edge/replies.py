@@ -108,6 +108,7 @@ def answer_to_pb(a: Answer) -> pb.AuditAnswer:
         report=a.report,
         diverged_step=a.diverged_step,
         level=a.level,
+        compared_until=a.compared_until,
     )
 
 

@@ -155,6 +155,7 @@ class AuditAnswer(_message.Message):
     REPORT_FIELD_NUMBER: _builtins.int
     DIVERGED_STEP_FIELD_NUMBER: _builtins.int
     LEVEL_FIELD_NUMBER: _builtins.int
+    COMPARED_UNTIL_FIELD_NUMBER: _builtins.int
     cohort_id: _builtins.str
     stop_step: _builtins.int
     """strict policy: every rank raises at this step (0: none)"""
@@ -166,6 +167,10 @@ class AuditAnswer(_message.Message):
     """the first audited step found to differ (0: none)"""
     level: _builtins.str
     """the policy the coordinator applies: strict, warn or off"""
+    compared_until: _builtins.int
+    """One past the highest step compared (0: none yet). A closing rank whose last audited
+    step is below it, with no per-tensor digests asked for, has heard the last word.
+    """
     @_builtins.property
     def tensors_rank(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """(rank, step) pairs whose per-tensor digests the coordinator asks for: a rank named
@@ -185,10 +190,11 @@ class AuditAnswer(_message.Message):
         report: _builtins.str = ...,
         diverged_step: _builtins.int = ...,
         level: _builtins.str = ...,
+        compared_until: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "diverged_step", b"diverged_step", "headline", b"headline", "level", b"level", "report", b"report", "stop_step", b"stop_step", "tensors_rank", b"tensors_rank", "tensors_step", b"tensors_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "compared_until", b"compared_until", "diverged_step", b"diverged_step", "headline", b"headline", "level", b"level", "report", b"report", "stop_step", b"stop_step", "tensors_rank", b"tensors_rank", "tensors_step", b"tensors_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
