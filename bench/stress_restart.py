@@ -3,6 +3,11 @@ rank 7 joins, cancels its call and re-joins at once as a new incarnation (what a
 restart does). Every rank of every job must end with one verdict, FORMED, one cohort.
 
     python bench/stress_restart.py --runs 20 --burners 2
+    python bench/stress_restart.py --runs 20 --shape lone --no-launch [--relay]
+
+--shape lone: rank 7 is restarted alone (its first process dies right after its first
+event, the new one joins 50 ms later); --no-launch: ranks started without torchrun;
+--relay: ranks 4-7 of every job join through a `cohortgate relay` (tests/restarts.py).
 
 Each run starts a fresh `cohortgate serve` (production settings: SQLite history, metrics,
 info logs) and, with --burners, that many CPU-burning processes beside it. Prints one line
@@ -15,96 +20,15 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import random
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
-
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import contextlib
-
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from coordinator.cli.spawn import spawn
-from coordinator.contract.manifest import Entry, Kind, Manifest
-from tests.helpers import join_async, join_request
-
-MANIFEST = Manifest.of(
-    [
-        Entry(Kind.PARAMETER, "fc.weight", "float32", (4, 8), True),
-        Entry(Kind.PARAMETER, "fc.bias", "float32", (4,), True),
-    ]
-)
-
-
-def request(job: str, rank: int, world: int) -> pb.JoinRequest:
-    return join_request(
-        job,
-        rank,
-        world,
-        MANIFEST,
-        host=f"{job}-host{rank // 4}",
-        quiet=rank != 0,
-        launch=f"{job}-store:29500",  # as torchrun's agents send it: one per launch
-    )
-
-
-async def one_join(
-    stub: pb_grpc.CohortServiceStub,
-    req: pb.JoinRequest,
-    deadline_s: float,
-    manifest: Manifest = MANIFEST,
-) -> tuple[str, pb.Verdict | None]:
-    return await join_async(stub, req, deadline_s, manifest)
-
-
-async def restarted_rank(
-    stub: pb_grpc.CohortServiceStub, job: str, world: int, rng: random.Random, deadline_s: float
-) -> tuple[str, pb.Verdict | None]:
-    """Joins, cancels once its join is in (or a moment later), re-joins at once as a new
-    incarnation of the same rank."""
-    first = stub.Join(request(job, world - 1, world), timeout=deadline_s)
-    with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError):
-        await asyncio.wait_for(first.read(), timeout=rng.uniform(0.0, 0.05) + 0.001)
-    first.cancel()
-    return await one_join(stub, request(job, world - 1, world), deadline_s)
-
-
-async def run_load(addr: str, jobs: int, world: int, every: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    deadline_s = 90.0
-    channels = [grpc.aio.insecure_channel(addr) for _ in range(16)]
-    stubs = [pb_grpc.CohortServiceStub(ch) for ch in channels]
-    tag = uuid.uuid4().hex[:6]
-    tasks: dict[tuple[str, int], asyncio.Task[tuple[str, pb.Verdict | None]]] = {}
-    for j in range(jobs):
-        job = f"restart-{tag}-{j}"
-        for r in range(world):
-            stub = stubs[(j * world + r) % len(stubs)]
-            await asyncio.sleep(rng.uniform(0, 0.002))
-            if j % every == 0 and r == world - 1:
-                coro = restarted_rank(stub, job, world, rng, deadline_s)
-            else:
-                coro = one_join(stub, request(job, r, world), deadline_s)
-            tasks[(job, r)] = asyncio.create_task(coro)
-    results = {k: await t for k, t in tasks.items()}
-    for ch in channels:
-        await ch.close()
-    problems = []
-    for j in range(jobs):
-        job = f"restart-{tag}-{j}"
-        outcomes = [results[(job, r)] for r in range(world)]
-        errors = [(r, e) for r, (e, v) in enumerate(outcomes) if v is None]
-        cohorts = {v.cohort_id for _, v in outcomes if v is not None}
-        formed = all(v is not None and v.outcome == pb.Verdict.OUTCOME_FORMED for _, v in outcomes)
-        if errors or len(cohorts) != 1 or not formed:
-            problems.append(f"{job}: errors {errors}, {len(cohorts)} cohorts, formed={formed}")
-    return problems
+from tests.restarts import Load, run_load
 
 
 def burn() -> None:
@@ -122,6 +46,19 @@ def main() -> int:
     )
     parser.add_argument(
         "--burners", type=int, default=2, help="CPU-burning processes beside (default 2)"
+    )
+    parser.add_argument(
+        "--shape",
+        choices=("torchrun", "lone"),
+        default="torchrun",
+        help="torchrun: the restart cancels and re-joins at once; lone: it dies right after "
+        "its first event and the new process joins 50 ms later (default torchrun)",
+    )
+    parser.add_argument(
+        "--no-launch", action="store_true", help="ranks name no launch (started without torchrun)"
+    )
+    parser.add_argument(
+        "--relay", action="store_true", help="ranks 4-7 of every job join through a relay"
     )
     parser.add_argument("--log-dir", type=Path, help="keep each run's coordinator log here")
     args = parser.parse_args()
@@ -148,15 +85,36 @@ def main() -> int:
                     ],
                     stdout=log,
                 )
+                relay = None
                 try:
+                    relay_addr = ""
+                    if args.relay:
+                        relay, relay_port = spawn(
+                            Path(tmp) / "relay-port",
+                            [
+                                *("--upstream", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0"),
+                                *("--local-ranks", str(args.world // 2), "--log-format", "json"),
+                            ],
+                            stdout=log,
+                            command="relay",
+                        )
+                        relay_addr = f"127.0.0.1:{relay_port}"
                     start = time.monotonic()
-                    problems = asyncio.run(
-                        run_load(f"127.0.0.1:{port}", args.jobs, args.world, args.every, run)
+                    load = Load(
+                        args.jobs,
+                        args.world,
+                        args.every,
+                        args.shape,
+                        not args.no_launch,
+                        relay=relay_addr,
                     )
+                    problems = asyncio.run(run_load(f"127.0.0.1:{port}", load, run))
                     took = time.monotonic() - start
                 finally:
-                    proc.terminate()
-                    proc.wait(timeout=30)
+                    for p in (relay, proc):
+                        if p is not None:
+                            p.terminate()
+                            p.wait(timeout=30)
                     log.close()
                     if args.log_dir is not None:
                         args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,11 @@ a new incarnation. Every rank of the round must end with one outcome, the same f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +21,8 @@ from coordinator.service.core import Coordinator
 from coordinator.service.events import UploadAsk
 from coordinator.state.base import JoinIntent
 from tests.helpers import InProcessCoordinator, decide_in, join_request, manifest_of, run_rank
+from tests.restarts import Load, run_load
+from tests.test_relay_faults import relay_process
 
 M = manifest_of()
 LAUNCH = "node0:29500"
@@ -217,3 +221,54 @@ def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_roun
         form(member(0, restart_count=generation))
     again = store.join(JoinIntent("forgot", 0, successor, 1))
     assert not again.replayed and again.cohort.round == ROUNDS_KEPT + 2
+
+
+def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict() -> None:
+    """No launch (no torchrun): a new process of the same rank on the same host, within the
+    successor window, takes its predecessor's place in the decided round; one on another
+    host (a second job that reuses the id) does not."""
+    from coordinator.state.memory import MemoryStore
+
+    store = MemoryStore(lambda: 0.0)
+    old = member(0)
+    old.launch = ""
+    result = store.join(JoinIntent("lone", 0, old, 1))
+    result.cohort.state.manifests[old.signature] = M  # type: ignore[assignment]
+    decide_in(store, result.cohort, 0.0)
+    assert result.cohort.verdict is not None
+    elsewhere = member(0)
+    elsewhere.launch, elsewhere.host = "", "another-host"
+    assert not store.join(JoinIntent("lone", 0, elsewhere, 1)).replayed
+    store = MemoryStore(lambda: 0.0)
+    result = store.join(JoinIntent("lone", 0, old, 1))
+    result.cohort.state.manifests[old.signature] = M  # type: ignore[assignment]
+    decide_in(store, result.cohort, 0.0)
+    new = member(0)
+    new.launch = ""
+    again = store.join(JoinIntent("lone", 0, new, 1))
+    assert again.replayed and again.successor and again.cohort is result.cohort
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("via", ["direct", "relay"])
+def test_64_jobs_with_16_ranks_restarted_alone_every_rank_gets_one_verdict(
+    via: str, tmp_path: Path
+) -> None:
+    """Issue 37's shape: 64 jobs of 8 ranks at once, started without torchrun; in 16 of them
+    rank 7's first process dies right after its first event and a new one joins 50 ms
+    later. Every rank of every job gets its verdict (the new rank 7 hung until its deadline
+    in 16 of 16 jobs before). bench/stress_restart.py loops it under load."""
+    c = InProcessCoordinator(join_deadline=60.0)
+    try:
+        with contextlib.ExitStack() as stack:
+            relay = ""
+            if via == "relay":
+                relay, _ = stack.enter_context(
+                    relay_process(c.addr, tmp_path, "--local-ranks", "4")
+                )
+            load = Load(shape="lone", launch=False, deadline_s=30.0, relay=relay)
+            problems = asyncio.run(run_load(c.addr, load, seed=37))
+    finally:
+        c.stop()
+    assert problems == []
