@@ -46,7 +46,8 @@ class InProcessCoordinator:
     def __init__(self, **config: Any) -> None:
         config.setdefault("metrics_listen", "127.0.0.1:0")
         config.setdefault("history", ":memory:")
-        self.config = ServeConfig(listen="127.0.0.1:0", **config)
+        config.setdefault("listen", "127.0.0.1:0")
+        self.config = ServeConfig(**config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -211,11 +212,15 @@ def run_cohort(
     manifests: dict[int, Manifest],
     world: int | None = None,
     timeout: float = 30.0,
+    **overrides: Any,
 ) -> list[RankResult]:
+    """Every rank of `manifests` joins at once; `overrides`: JoinRequest fields for all (a
+    second run of a job right after its verdict names its own `launch`, as torchrun's do:
+    without one, a new process of a just-decided rank on its host is its successor)."""
     world = world or len(manifests)
     with ThreadPoolExecutor(max_workers=len(manifests)) as pool:
         futures = [
-            pool.submit(run_rank, addr, join_request(job, r, world, m), m, timeout)
+            pool.submit(run_rank, addr, join_request(job, r, world, m, **overrides), m, timeout)
             for r, m in manifests.items()
         ]
         return [f.result() for f in futures]

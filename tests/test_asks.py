@@ -104,4 +104,5 @@ def test_a_rejoin_naming_an_abandoned_round_is_over_once_the_next_round_is_decid
     store.upload(UploadRef("j", 2, 0, "second"), MANIFEST, MANIFEST.signature())
     assert decide_in(store, second, 100.0) is not None and second.verdict is not None  # formed
     with pytest.raises(FailedPrecondition, match="round 1 of job 'j' is over"):
-        store.join(JoinIntent("j", 1, member(0, "third"), 1))
+        # another host's process (on "h" it would be rank 0's successor: see _successor)
+        store.join(JoinIntent("j", 1, Member(0, "h2", 1, "third", MANIFEST.signature(), 1), 1))

@@ -87,7 +87,7 @@ def test_a_heavy_decision_made_off_the_loop_gives_the_same_verdicts(
     on_loop = run_cohort(coord.addr, "heavy", cohorts)
     assert coord.call(offloaded) == 0
     coord.running.coordinator.offload_above = 0  # every complete cohort is heavy now
-    off_loop = run_cohort(coord.addr, "heavy", cohorts)  # round 2 of the same job
+    off_loop = run_cohort(coord.addr, "heavy", cohorts, launch="2")  # round 2, a relaunch
     # Once or twice: a second time when a manifest arrived after the first decision.
     assert coord.call(offloaded) >= 1, "round 2 was decided in a worker"
     formed = run_cohort(coord.addr, "heavy-formed", dict.fromkeys(range(3), ref))
@@ -303,7 +303,7 @@ def test_new_round_after_a_verdict_and_over_round_refused(coord: InProcessCoordi
     m = manifest_of()
     first = run_cohort(coord.addr, "rounds", dict.fromkeys(range(2), m))
     assert {r.verdict.round for r in first if r.verdict} == {1}
-    second = run_cohort(coord.addr, "rounds", dict.fromkeys(range(2), m))
+    second = run_cohort(coord.addr, "rounds", dict.fromkeys(range(2), m), launch="2")
     assert {r.verdict.round for r in second if r.verdict} == {2}
     late = run_rank(coord.addr, join_request("rounds", 1, 2, m, round=1), m)
     _expect_error(late.error, grpc.StatusCode.FAILED_PRECONDITION, "round 1", "is over")

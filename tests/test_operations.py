@@ -363,7 +363,7 @@ def test_watches_are_capped_and_a_change_wakes_only_its_jobs_watchers() -> None:
             run_cohort(c.addr, "job-b", {0: m, 1: m})
             hub = c.running.coordinator.watchers
             woken = c.call(lambda: sum(len(w.outbox) for w in hub._by_job["job-a"]))
-            run_cohort(c.addr, "job-a", {0: m})  # round 2: the next thing each watch sees
+            run_cohort(c.addr, "job-a", {0: m}, launch="2")  # round 2: what each watch sees
             seen = [next(watch).job_id for watch in watches]
             for watch in watches:
                 watch.cancel()

@@ -23,6 +23,7 @@ from coordinator.codec.channel import ClientSecurity
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
+    free_port,
     join_request,
     kill_group,
     log_events,
@@ -79,20 +80,21 @@ def rank_process(addr: str, job: str, rank: int, world: int) -> subprocess.Popen
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("grace_from", ["relay flag", "coordinator"])
 def test_a_frozen_rank_behind_a_relay_is_dropped_within_the_grace_and_its_restart_forms(
-    tmp_path: Path,
+    tmp_path: Path, grace_from: str
 ) -> None:
     """SIGSTOP keeps the rank's connection to the relay open; only the relay's own keepalive
-    can find it (the coordinator pings the relay, which answers for every rank behind it)."""
+    can find it (the coordinator pings the relay, which answers for every rank behind it).
+    One grace for the tree: a relay started without --rank-grace applies the coordinator's
+    (`serve --rank-grace 2`), not its own default of 15 s."""
     c = InProcessCoordinator(join_deadline=60.0, rank_grace=GRACE)
     m = manifest_of()
     pool = ThreadPoolExecutor(max_workers=4)
     frozen = None
+    flags = ("--rank-grace", str(GRACE)) if grace_from == "relay flag" else ()
     try:
-        with relay_process(c.addr, tmp_path, "--local-ranks", "2", "--rank-grace", str(GRACE)) as (
-            relay,
-            log,
-        ):
+        with relay_process(c.addr, tmp_path, "--local-ranks", "2", *flags) as (relay, log):
             first = pool.submit(run_rank, relay, join_request("frozen", 0, 3, m), m, 60)
             frozen = rank_process(relay, "frozen", 1, 3)
             wait_until("ranks 0-1 reach the coordinator", lambda: holds(c, "frozen", 1), 30)
@@ -118,6 +120,54 @@ def test_a_frozen_rank_behind_a_relay_is_dropped_within_the_grace_and_its_restar
     ]
     assert len({v.cohort_id for v in verdicts if v is not None}) == 1
     assert "rank left; re-joining the rest" in said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_relay_takes_a_new_grace_when_its_coordinator_restarts_with_one(
+    tmp_path: Path,
+) -> None:
+    """The operator tightens the grace on the coordinator (a restart with --rank-grace 2):
+    the relay (no flag of its own) restarts its server with it within --settings-every,
+    and a frozen rank behind it is then dropped within 2 s + 1 s."""
+    port = free_port()
+    c = InProcessCoordinator(join_deadline=60.0, rank_grace=15.0, listen=f"127.0.0.1:{port}")
+    m = manifest_of()
+    pool = ThreadPoolExecutor(max_workers=2)
+    frozen = None
+    try:
+        flags = ("--local-ranks", "2", "--settings-every", "0.5")
+        with relay_process(c.addr, tmp_path, *flags) as (relay, log):
+            wait_until("the relay serving", lambda: "relaying" in _said(log), 10)
+            assert _said(log)["relaying"]["rank_grace_s"] == 15.0
+            c.stop()
+            c = InProcessCoordinator(join_deadline=60.0, rank_grace=GRACE, listen=c.addr)
+            changed = "the upstream's rank grace changed: the relay's server restarts with it"
+            wait_until("the relay's new grace", lambda: changed in _said(log), 10)
+            assert _said(log)[changed]["now_s"] == GRACE
+            first = pool.submit(run_rank, relay, join_request("tightened", 0, 3, m), m, 60)
+            frozen = rank_process(relay, "tightened", 1, 3)
+            wait_until("ranks 0-1 in", lambda: holds(c, "tightened", 1), 30)
+            os.kill(frozen.pid, signal.SIGSTOP)
+            wait_until("the frozen rank dropped", lambda: not holds(c, "tightened", 1), GRACE + 1)
+            kill_group(frozen)
+            frozen = None
+            restarted = pool.submit(run_rank, relay, join_request("tightened", 1, 3, m), m, 60)
+            last = run_rank(c.addr, join_request("tightened", 2, 3, m), m, 60)
+            results = [first.result(timeout=30), restarted.result(timeout=30), last]
+    finally:
+        if frozen is not None:
+            kill_group(frozen)
+        pool.shutdown(wait=False, cancel_futures=True)
+        c.stop()
+    assert all(
+        r.verdict is not None and r.verdict.outcome == pb.Verdict.OUTCOME_FORMED for r in results
+    ), [r.error for r in results]
+
+
+def _said(log: Path) -> dict[str, dict[str, object]]:
+    """A relay's log lines by event (the last of each)."""
+    return {str(e["event"]): e for e in log_events(log)}
 
 
 def _partitioned(

@@ -226,7 +226,7 @@ def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_roun
 def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict() -> None:
     """No launch (no torchrun): a new process of the same rank on the same host, within the
     successor window, takes its predecessor's place in the decided round; one on another
-    host (a second job that reuses the id) does not."""
+    host does not."""
     from coordinator.state.memory import MemoryStore
 
     store = MemoryStore(lambda: 0.0)

@@ -286,6 +286,7 @@ RELAY_FLAGS = [
     "max-message-bytes",
     "port-file",
     "rank-grace",
+    "settings-every",
     "tls-cert",
     "tls-client-ca",
     "tls-key",

@@ -102,6 +102,7 @@ async def _serve(config: ServeConfig | RelayConfig) -> None:
         local_ranks=config.local_ranks,
         max_message_bytes=config.max_message_bytes,
         rank_grace_s=config.rank_grace,
+        settings_every_s=config.settings_every,
         poll=config.upstream_rpc == "poll",
         tls=config.tls,
         port_file=str(config.port_file) if config.port_file else None,

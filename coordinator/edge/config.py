@@ -333,12 +333,19 @@ class RelayConfig(BaseModel):
     tls_client_ca: Path | None = Field(
         None, description="require client certificates from this CA (PEM): mutual TLS"
     )
-    rank_grace: float = Field(
-        15.0,
+    rank_grace: float | None = Field(
+        None,
         gt=0,
         description="seconds within which a dead or frozen rank's join is dropped (its group "
         "re-joins without it), and within which a coordinator that stops answering is "
-        "noticed (at least 5 s) and re-joined",
+        "noticed (at least 5 s) and re-joined (default: the upstream's own --rank-grace, "
+        "asked at start and every 30 s; 15 if it cannot say)",
+    )
+    settings_every: float = Field(
+        30.0,
+        gt=0,
+        description="without --rank-grace: how often the upstream is asked for its grace (a "
+        "change restarts the relay's server with it)",
     )
     max_message_bytes: int = Field(
         Limits.max_message_bytes,

@@ -192,7 +192,10 @@ class Relay(pb_grpc.CohortServiceServicer):
         # A group goes upstream as one message: it is cut before it grows past this.
         self.max_message_bytes = max_message_bytes
         self._security = security or ClientSecurity()
-        self._rank_grace_s = rank_grace_s
+        # What this relay's server drops a frozen rank within (relay_server.py may adopt the
+        # upstream's); its upstream keepalive keeps the grace it started with.
+        self.rank_grace_s = self._rank_grace_s = rank_grace_s
+        self.told_grace = rank_grace_s  # the upstream's, last time it was asked
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._connect()
         # JoinPoll upstream (--upstream-rpc poll), until the upstream answers UNIMPLEMENTED
@@ -250,6 +253,24 @@ class Relay(pb_grpc.CohortServiceServicer):
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
             raise AssertionError("unreachable") from exc
+
+    async def Settings(
+        self, request: pb.SettingsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SettingsReply:
+        """The grace this relay applies: relays below it take it as theirs."""
+        return pb.SettingsReply(rank_grace_s=self.rank_grace_s)
+
+    async def upstream_grace(self, timeout_s: float) -> float | None:
+        """The upstream's rank grace, or None when it cannot say (unreachable, or a
+        coordinator older than the Settings call)."""
+        try:
+            reply: pb.SettingsReply = await self.stub.Settings(
+                pb.SettingsRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("the upstream did not say its rank grace", code=exc.code().name)
+            return None
+        return reply.rank_grace_s if reply.rank_grace_s > 0 else None
 
     async def _audit_upstream(
         self, request: pb.AuditRequest, metadata: Sequence[tuple[str, str]]

@@ -124,7 +124,8 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
             ("grpc.server_max_unrequested_time_in_server", 600),
         ]
     )
-    add_service(server, "CohortService", CohortServicer(coordinator, auth, limits), RAW_JOINS)
+    servicer = CohortServicer(coordinator, auth, limits, config.rank_grace)
+    add_service(server, "CohortService", servicer, RAW_JOINS)
     add_service(server, "StatusService", StatusServicer(coordinator, auth))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -130,11 +130,16 @@ def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]
 
 class CohortServicer(pb_grpc.CohortServiceServicer):
     def __init__(
-        self, coordinator: Coordinator, auth: Auth | None = None, limits: Limits | None = None
+        self,
+        coordinator: Coordinator,
+        auth: Auth | None = None,
+        limits: Limits | None = None,
+        rank_grace_s: float = 15.0,
     ) -> None:
         self.coordinator = coordinator
         self.auth = auth or Auth(None)
         self.limits = limits or Limits()
+        self.rank_grace_s = rank_grace_s
         # Large requests decoded at once, off the loop (see _decoded): more would only
         # queue for the GIL or a worker while holding their payloads in memory.
         self._decoding = asyncio.Semaphore(DECODES)
@@ -282,6 +287,12 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             answers = self.coordinator.audit(audits)
             return pb.AuditReply(answers=[replies.answer_to_pb(a) for a in answers])
         raise AssertionError("unreachable")  # answering aborts the call
+
+    async def Settings(
+        self, request: pb.SettingsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SettingsReply:
+        """What governs the tree below: relays started without --rank-grace take this one."""
+        return pb.SettingsReply(rank_grace_s=self.rank_grace_s)
 
     async def _digests(self, context: grpc.aio.ServicerContext, upload: Upload) -> None:
         ref = rpc.upload_ref(self._sender(context, upload, pb.UploadDigestsRequest))

@@ -32,7 +32,8 @@ UPLOAD_SLACK_BYTES = 64 * 1024
 # other ranks have their verdict. It gets that verdict, so every rank of the round has one.
 # A torchrun restart raises the restart count on every worker and opens a new round. A
 # rank started without torchrun names no launch (a node supervisor, a container restart, a
-# harness): its successor is a new process of the same rank on the same host.
+# harness): its successor is a new process of the same rank on the same host. A harness
+# that relaunches a whole job within the window names a launch of its own (as torchrun does).
 SUCCESSOR_WINDOW_S = 10.0
 
 # Decided rounds kept per job, so that a rank re-joining with its incarnation gets its

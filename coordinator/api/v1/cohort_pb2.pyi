@@ -47,6 +47,41 @@ COHORT_STATE_ABANDONED: CohortState.ValueType  # 5
 Global___CohortState: _TypeAlias = CohortState  # noqa: Y015
 
 @_typing.final
+class SettingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SettingsRequest: _TypeAlias = SettingsRequest  # noqa: Y015
+
+@_typing.final
+class SettingsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_GRACE_S_FIELD_NUMBER: _builtins.int
+    rank_grace_s: _builtins.float
+    """a dead or frozen rank's join is dropped within this"""
+    def __init__(
+        self,
+        *,
+        rank_grace_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank_grace_s", b"rank_grace_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SettingsReply: _TypeAlias = SettingsReply  # noqa: Y015
+
+@_typing.final
 class RankAudit(_message.Message):
     """One rank's audit of one step of a formed cohort."""
 

@@ -81,6 +81,11 @@ class CohortServiceStub:
                 request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
                 response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
                 _registered_method=True)
+        self.Settings = channel.unary_unary(
+                '/cohortgate.v1.CohortService/Settings',
+                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.SerializeToString,
+                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.FromString,
+                _registered_method=True)
 
 
 class CohortServiceServicer:
@@ -165,6 +170,15 @@ class CohortServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Settings(self, request, context):
+        """The settings that govern the tree below a coordinator: a relay started without its own
+        --rank-grace asks at start and every 30 s, and drops its frozen ranks within the
+        coordinator's grace. A relay answers with the grace it applies. No token needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CohortServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -212,6 +226,11 @@ def add_CohortServiceServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.FromString,
                     response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.SerializeToString,
+            ),
+            'Settings': grpc.unary_unary_rpc_method_handler(
+                    servicer.Settings,
+                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.FromString,
+                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +478,33 @@ class CohortService:
             '/cohortgate.v1.CohortService/Audit',
             coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
             coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Settings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cohortgate.v1.CohortService/Settings',
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.SerializeToString,
+            coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.FromString,
             options,
             channel_credentials,
             insecure,

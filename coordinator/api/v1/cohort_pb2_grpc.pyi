@@ -72,6 +72,11 @@ class CohortServiceStub:
     in one call. Never waits for other ranks: the answer says what the coordinator knows
     now (per-tensor digests it asks for, a stop step under the strict policy).
     """
+    Settings: _grpc.UnaryUnaryMultiCallable[_cohort_pb2.SettingsRequest, _cohort_pb2.SettingsReply]
+    """The settings that govern the tree below a coordinator: a relay started without its own
+    --rank-grace asks at start and every 30 s, and drops its frozen ranks within the
+    coordinator's grace. A relay answers with the grace it applies. No token needed.
+    """
 
 @_typing.type_check_only
 class CohortServiceAsyncStub(CohortServiceStub):
@@ -116,6 +121,11 @@ class CohortServiceAsyncStub(CohortServiceStub):
     at a step, after the cohort formed. An agent sends its own; a relay sends its node's
     in one call. Never waits for other ranks: the answer says what the coordinator knows
     now (per-tensor digests it asks for, a stop step under the strict policy).
+    """
+    Settings: _aio.UnaryUnaryMultiCallable[_cohort_pb2.SettingsRequest, _cohort_pb2.SettingsReply]  # type: ignore[assignment]
+    """The settings that govern the tree below a coordinator: a relay started without its own
+    --rank-grace asks at start and every 30 s, and drops its frozen ranks within the
+    coordinator's grace. A relay answers with the grace it applies. No token needed.
     """
 
 class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -212,6 +222,17 @@ class CohortServiceServicer(metaclass=_abc_1.ABCMeta):
         at a step, after the cohort formed. An agent sends its own; a relay sends its node's
         in one call. Never waits for other ranks: the answer says what the coordinator knows
         now (per-tensor digests it asks for, a stop step under the strict policy).
+        """
+
+    @_abc_1.abstractmethod
+    def Settings(
+        self,
+        request: _cohort_pb2.SettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cohort_pb2.SettingsReply, _abc.Awaitable[_cohort_pb2.SettingsReply]]:
+        """The settings that govern the tree below a coordinator: a relay started without its own
+        --rank-grace asks at start and every 30 s, and drops its frozen ranks within the
+        coordinator's grace. A relay answers with the grace it applies. No token needed.
         """
 
 def add_CohortServiceServicer_to_server(servicer: CohortServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
