@@ -293,6 +293,9 @@ class _Reachability:
         self.opts = opts
         self.failing_since: float | None = None
         self.last = ""
+        # A replica's own words that it stands by, seen since the coordinator was last
+        # reached: while one answers, no replica leads (whatever the others' errors say).
+        self.standby = ""
         self.said_at: float | None = None
         self.upstream: Upstream | None = None
 
@@ -301,6 +304,8 @@ class _Reachability:
         if self.failing_since is None:
             self.failing_since = now
         self.last = _transport(details)
+        if "standby" in self.last:
+            self.standby = self.last
         if now - self.failing_since < self.opts.unreachable_after_s:
             return
         if self.said_at is not None and now - self.said_at < self.opts.unreachable_every_s:
@@ -311,10 +316,11 @@ class _Reachability:
             f"cannot reach the cohortgate coordinator at {self.identity.addr}: {self.last}; "
             f"retrying until {until} (COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
         )
-        if "standby" in self.last:
+        if self.standby:
+            also = f" (and: {self.last})" if self.last != self.standby else ""
             message = (
-                f"no cohortgate coordinator at {self.identity.addr} leads now: {self.last}; "
-                f"asking again every half second until {until} "
+                f"no cohortgate coordinator at {self.identity.addr} leads now: "
+                f"{self.standby}{also}; asking again every half second until {until} "
                 f"(COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
             )
         if self.identity.rank == 0:
@@ -329,6 +335,7 @@ class _Reachability:
             at = self.upstream.current if self.upstream is not None else self.identity.addr
             _say(f"reached the cohortgate coordinator at {at}")
         self.failing_since = self.said_at = None
+        self.standby = ""
 
 
 def _answer(

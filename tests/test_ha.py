@@ -453,6 +453,49 @@ def test_upstream_rotates_through_its_replicas_and_follows_a_named_leader() -> N
         Upstream("a:1,nonsense")
 
 
+def test_rank_0_says_no_replica_leads_while_a_standby_answers_whatever_the_other_says(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a kill the dead leader's address refuses connections while the standby answers
+    that it stands by: rank 0 says no replica leads (the standby's words), not that
+    nothing listens."""
+    from agent.client import JoinOptions, _Reachability
+    from agent.torchrun import RankIdentity
+
+    identity = RankIdentity(
+        job_id="j", rank=0, world_size=2, local_rank=0, host="h", pid=1, incarnation="i",
+        restart_count=0, addr="a:1,b:2", error_file=None, endpoint_host="127.0.0.1",
+    )  # fmt: skip
+    reach = _Reachability(identity, time.monotonic() + 60, JoinOptions(unreachable_after_s=0))
+    caplog.set_level("INFO", logger="cohortgate.agent")  # where rank 0 says it (a handler)
+    reach.failed("this coordinator is a standby; the leader is at a:1")
+    caplog.clear()
+    reach.said_at = None  # say again now
+    reach.failed("failed to connect to all addresses; last error: Connection refused")
+    said = caplog.text
+    assert "no cohortgate coordinator at a:1,b:2 leads now: this coordinator is a standby" in said
+    assert "(and: connection refused (nothing listens there))" in said
+    assert "cannot reach" not in said
+    reach.reached()
+    reach.failed("failed to connect to all addresses; last error: Connection refused")
+    caplog.clear()
+    reach.said_at = None
+    reach.failed("failed to connect to all addresses; last error: Connection refused")
+    assert "cannot reach the cohortgate coordinator at a:1,b:2" in caplog.text
+
+
+def test_a_standby_logs_its_refusals_once_per_job_and_interval() -> None:
+    from coordinator.edge.servicer import QuietRefusals
+
+    now = [0.0]
+    quiet = QuietRefusals(lambda: now[0])
+    said = [quiet.due("a") for _ in range(54)]  # 4 ranks asking every ~0.4 s for 5 s
+    assert said[0] == 1 and said[1:] == [None] * 53
+    assert quiet.due("b") == 1, "each job has its line"
+    now[0] += QuietRefusals.EVERY_S
+    assert quiet.due("a") == 54, "the next line counts the refusals it stands for"
+
+
 # -- failover, end to end --------------------------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
@@ -477,6 +520,10 @@ def test_leader_killed_while_a_job_waits_the_job_forms_on_the_standby(
         assert formed, "the standby formed it"
         took = stamp(formed[0]) - killed
         assert took < TTL + 3, f"formed {took:.1f}s after the kill (TTL {TTL}s)"
+        # Quiet while it stood by: a line per job and 30 s, not one per refused join.
+        assert len(standby.events("standing by: joins refused")) <= 2
+        assert not [e for e in standby.events("rpc refused") if e["code"] == "UNAVAILABLE"]
+        assert "cannot reach the cohortgate coordinator" not in out, out
 
 
 @pytest.mark.e2e

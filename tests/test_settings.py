@@ -360,3 +360,22 @@ def test_the_relays_server_tls_is_never_the_clients_certificate(pki: Path) -> No
     }
     relay = from_env_and_flags(RelayConfig, {"upstream": "127.0.0.1:1"}, own)
     assert relay.tls.cert == pki / "server.pem" and relay.tls.mode == "on"
+
+
+@pytest.mark.parametrize(
+    ("where", "addr"),
+    [("COHORTGATE_ADDR", "localhost"), ("--addr", "http://127.0.0.1:17070"), ("--addr", "a:1,b")],
+)
+def test_the_cli_checks_an_address_as_the_agent_does(where: str, addr: str) -> None:
+    """`cohortgate status` given "localhost" tried port 443 in silence, and a URL gave a raw
+    resolver error: one line naming the setting, exit 2."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-m", "coordinator.cli", "status"]
+    if where == "--addr":
+        args += ["--addr", addr]
+    else:
+        env["COHORTGATE_ADDR"] = addr
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"cohortgate status: {where}=") and "is not HOST:PORT" in line, line

@@ -83,11 +83,12 @@ def _addr(args: argparse.Namespace) -> str:
     """The coordinator to ask; of active/standby replicas (a:7070,b:7070), the one that
     leads (its CohortService is SERVING), else the first that answers."""
     spec = str(args.addr or os.environ.get("COHORTGATE_ADDR") or DEFAULT_ADDR)
-    if "," not in spec:
-        return spec
+    # The agent's own parser: one clear line for "localhost" (no port) or a URL.
+    replicas = addresses(spec, "--addr" if args.addr else "COHORTGATE_ADDR")
+    if len(replicas) == 1:
+        return replicas[0]
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    replicas = addresses(spec, "--addr")
     security = ClientSecurity.from_env(token=getattr(args, "token", None))
     answered = []
     for addr in replicas:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing as mp
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
@@ -77,6 +78,36 @@ def status_code(exc: CoordinatorError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+class QuietRefusals:
+    """A standby refuses every join of every rank, again every half second, while no replica
+    leads or the ranks follow the leader: one log line per job and EVERY_S, saying how many
+    it stands for (cohortgate_rpc_errors_total{code="UNAVAILABLE"} counts each)."""
+
+    EVERY_S = 30.0
+    KEPT = 10_000  # jobs remembered at once (past it, those said longest ago are forgotten)
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._said: dict[str, tuple[float, int]] = {}  # job -> (said at, refused since)
+
+    def due(self, job: str) -> int | None:
+        """The refusals this line stands for (this one included), or None: not now."""
+        now = self.clock()
+        said = self._said.get(job)
+        if said is not None and now - said[0] < self.EVERY_S:
+            self._said[job] = (said[0], said[1] + 1)
+            return None
+        if len(self._said) >= self.KEPT:
+            oldest = sorted(self._said, key=lambda k: self._said[k][0])[: self.KEPT // 2]
+            for key in oldest:
+                del self._said[key]
+        self._said[job] = (now, 0)
+        return 1 + (said[1] if said is not None else 0)
+
+
+STANDBY_REFUSALS = QuietRefusals()
+
+
 async def _abort(
     coordinator: Coordinator,
     context: grpc.aio.ServicerContext,
@@ -85,7 +116,19 @@ async def _abort(
 ) -> None:
     code = status_code(exc)
     coordinator.observer.rpc_error(method, code.name)
-    log.info("rpc refused", method=method, code=code.name, error=str(exc))
+    if isinstance(exc, NotLeader):
+        job = str(structlog.contextvars.get_contextvars().get("job", ""))
+        refused = STANDBY_REFUSALS.due(job)
+        if refused is not None:
+            log.info(
+                "standing by: joins refused",
+                method=method,
+                refused=refused,
+                every_s=QuietRefusals.EVERY_S,
+                error=str(exc),
+            )
+    else:
+        log.info("rpc refused", method=method, code=code.name, error=str(exc))
     if isinstance(exc, NotLeader) and exc.leader:  # the agent follows it at once
         await context.abort(code, str(exc), trailing_metadata=((LEADER_KEY, exc.leader),))
     await context.abort(code, str(exc))
