@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from coordinator.cli.spawn import spawn
+from coordinator.edge.config import runs_dir
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train.py"
@@ -21,7 +22,16 @@ def banner(text: str) -> None:
     print(f"\n{'=' * 78}\n== {text}\n{'=' * 78}", flush=True)
 
 
+def demo_history() -> Path:
+    """Kept after the demo, where `cohortgate explain JOB ROUND` looks (the run histories,
+    pruned after the history retention as `cohortgate run`'s are)."""
+    return runs_dir() / "demo.sqlite"
+
+
 def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    history = demo_history()
+    history.parent.mkdir(parents=True, exist_ok=True)
+    history.unlink(missing_ok=True)  # this demo's jobs only: rounds start at 1
     flags = [
         "--join-deadline",
         "60",
@@ -30,7 +40,7 @@ def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
         "--metrics-listen",
         "127.0.0.1:0",
         "--history",
-        str(tmp / "history.sqlite"),
+        str(history),
     ]
     proc, port = spawn(tmp / "port", flags)
     return proc, f"127.0.0.1:{port}"
@@ -89,6 +99,7 @@ def main() -> int:
     print(f"job 2 (rank 2 wider):     torchrun exit code {refused} -> {second}")
     print(f"job 3 (rank 1's facts):   torchrun exit code {facts} -> {third}")
     ok = formed == 0 and refused != 0 and facts != 0
+    print("the refusals again, from the history it kept: cohortgate explain demo-mismatch 1")
     print("demo", "succeeded" if ok else "did NOT behave as expected")
     return 0 if ok else 1
 

@@ -166,6 +166,13 @@ def test_a_run_keeps_its_own_history_and_explain_finds_it_after(
     """`cohortgate run`'s private coordinator writes its own history file, not the shared
     one (whose status would list it), and `cohortgate explain` still finds the job."""
     home = tmp_path / "home"
+    runs = home / ".local/state/cohortgate/runs"
+    runs.mkdir(parents=True)
+    stale, recent = runs / "stale-0123abcd.sqlite", runs / "recent-4567ef01.sqlite"
+    for f in (stale, recent, Path(f"{stale}-wal")):
+        f.write_bytes(b"")
+    month_ago = time.time() - 31 * 86400  # past the default 30 days' retention
+    os.utime(stale, (month_ago, month_ago))
     job = f"own-history-{uuid.uuid4().hex[:6]}"
     env = launch_env(tmp_path, HOME=str(home), COHORTGATE_JOB=job)
     env.pop("COHORTGATE_HISTORY", None)
@@ -183,6 +190,15 @@ def test_a_run_keeps_its_own_history_and_explain_finds_it_after(
     explain = cli("explain", job, "--addr", nobody, HOME=str(home))
     assert explain.returncode == 0, explain.stderr
     assert f"job {job} round 1: formed" in explain.stdout
+    # A run's history lives past the run, the retention prunes the old ones, and reading a
+    # history leaves no -wal/-shm beside it: nothing else is left in the home directory.
+    left = sorted(str(f.relative_to(home)) for f in home.rglob("*") if f.is_file())
+    assert left == [str(p.relative_to(home)) for p in sorted((own, recent))], left
+    # The demo keeps its jobs in one file of the runs (examples/demo.py: runs/demo.sqlite):
+    # explain finds a job in whichever run history holds it.
+    own.rename(runs / "demo.sqlite")
+    explain = cli("explain", job, "--addr", nobody, HOME=str(home))
+    assert explain.returncode == 0 and f"job {job} round 1: formed" in explain.stdout
 
 
 # -- examples, the demo, the install ------------------------------------------------------

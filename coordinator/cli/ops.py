@@ -367,12 +367,24 @@ def _explain_from_files(
     return _fail_unknown(addr, args, exc)
 
 
+# Run histories read at most, newest first, looking for a job that none of its own names.
+RUNS_READ = 50
+
+
 def _local_histories(job: str) -> list[Path]:
-    """The history files on this machine: the shared one, the one `cohortgate run` kept."""
-    from coordinator.edge.config import DEFAULT_HISTORY, run_history
+    """The history files on this machine: the shared one, the one `cohortgate run` kept for
+    the job, then the other runs' (the demo's, a run whose job id was generated), newest
+    first."""
+    from coordinator.edge.config import DEFAULT_HISTORY, run_history, runs_dir
 
     shared = Path(os.environ.get("COHORTGATE_HISTORY") or DEFAULT_HISTORY).expanduser()
-    return [f for f in (shared, run_history(job)) if f.is_file()]
+    own = run_history(job)
+    try:
+        others = sorted(runs_dir().glob("*.sqlite"), key=lambda p: -p.stat().st_mtime)
+    except OSError:
+        others = []
+    found = [shared, own, *(p for p in others[:RUNS_READ] if p != own)]
+    return [f for f in found if f.is_file()]
 
 
 def _fail_unknown(addr: str, args: argparse.Namespace, exc: grpc.RpcError) -> int:

@@ -26,7 +26,7 @@ from coordinator.cli.launch import (
 )
 from coordinator.cli.spawn import spawn
 from coordinator.contract.addr import split_host_port
-from coordinator.edge.config import run_history
+from coordinator.edge.config import prune_runs, run_history
 
 RUN_USAGE = """\
 usage: cohortgate run [--coordinator HOST:PORT[,HOST:PORT...]] [--no-relay] [--join-deadline S]
@@ -212,6 +212,18 @@ def cmd_run(argv: Sequence[str]) -> int:
                 signal.signal(sig, handler)
 
 
+def _retention_days(env: dict[str, str]) -> float:
+    """The history retention the coordinator started here applies (its variable, else its
+    default), for the run histories of earlier jobs too."""
+    from coordinator.edge.config import ServeConfig
+
+    raw = env.get("COHORTGATE_HISTORY_RETENTION_DAYS", "")
+    try:
+        return float(raw) if raw else ServeConfig.model_fields["history_retention_days"].default
+    except ValueError:
+        return float(ServeConfig.model_fields["history_retention_days"].default)
+
+
 def _endpoint(
     own: _Own,
     torchrun_args: TorchrunArgs,
@@ -224,6 +236,7 @@ def _endpoint(
     if own.coordinator is None:
         history = run_history(env["COHORTGATE_JOB"])
         history.parent.mkdir(parents=True, exist_ok=True)
+        prune_runs(_retention_days(env), keep=history)
         flags = ["--metrics-listen", "127.0.0.1:0", "--log-format", "console"]
         flags += ["--history", str(history)]
         if own.deadline is not None:

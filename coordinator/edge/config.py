@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -38,12 +39,34 @@ DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"
 ENV_PREFIX = "COHORTGATE_"
 
 
+def runs_dir() -> Path:
+    """Where `cohortgate run` (and the demo) keep their coordinators' histories."""
+    return Path(DEFAULT_HISTORY).expanduser().parent / "runs"
+
+
 def run_history(job_id: str) -> Path:
     """The history file of the coordinator `cohortgate run` starts for one job: its own, so
     that no other coordinator's status lists its jobs; `cohortgate explain` looks here too."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", job_id)[:80]
     tag = hashlib.sha256(job_id.encode()).hexdigest()[:8]
-    return Path(DEFAULT_HISTORY).expanduser().parent / "runs" / f"{safe}-{tag}.sqlite"
+    return runs_dir() / f"{safe}-{tag}.sqlite"
+
+
+def prune_runs(retention_days: float, keep: Path | None = None) -> int:
+    """The run histories not written for `retention_days` go (the history retention, as a
+    coordinator applies it to its own rows): one file per `cohortgate run` would otherwise
+    pile up forever. `keep`: the file about to be used. Returns how many went."""
+    cutoff = time.time() - retention_days * 86400
+    gone = 0
+    for path in runs_dir().glob("*.sqlite"):
+        try:
+            if path != keep and path.stat().st_mtime < cutoff:
+                for part in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                    part.unlink(missing_ok=True)
+                gone += 1
+        except OSError:  # another run's, just removed; or not ours to remove: left
+            continue
+    return gone
 
 
 REPEAT: dict[str, JsonValue] = {

@@ -352,6 +352,10 @@ class History(VerdictStore):
 
     def _open_readonly(self) -> sqlite3.Connection:
         uri = Path(self.path).resolve().as_uri()
+        if not any(Path(f"{self.path}-{part}").exists() for part in ("wal", "shm")):
+            # No -wal or -shm: no coordinator has the file open (a writer keeps both while
+            # it does). Read it as it is, leaving no -wal/-shm of our own beside it.
+            return self._reader(uri + "?mode=ro&immutable=1")
         try:
             return self._reader(uri + "?mode=ro")
         except sqlite3.OperationalError:
