@@ -83,7 +83,7 @@ def test_a_rank_that_changed_is_asked_about_then_named_with_host_tensor_and_step
         "replicas diverged at step 5: rank 2 on host1 differs from ranks 0-1,3 in 2.weight"
     )
     assert "differs:   rank 2 on host1" in found.report
-    assert "1 tensor of 4 differ: 2.weight (rank 2 against rank 0)" in found.report
+    assert "1 tensor of 4 differs: 2.weight (rank 2 against rank 0)" in found.report
     assert "The job goes on (audit policy warn)" in found.report
     answer = c.answer()
     assert (answer.headline, answer.diverged_step, answer.stop_step) == (found.headline, 5, 0)
@@ -122,6 +122,21 @@ def test_strict_at_a_fast_pace_stops_within_a_quarter_second_of_steps() -> None:
     send_tensors(c, 0.09, {2: "2.weight"})
     (found,) = c.findings
     assert found.stop_step == 7 + 25 + 2
+
+
+def test_the_words_agree_with_their_numbers() -> None:
+    """ "both ranks", not "all 2 ranks"; "1 tensor of 4 differs", "2 tensors of 4 differ"."""
+    c = cohort(world=2)
+    for s in range(3):
+        for rank in (0, 1):
+            c.add(audit(rank, s, h("all", s, rank == 1 and s == 2)), 0.2 * s)
+    c.add(audit(0, 2, b"", tensors=tensors(2)), 0.5)
+    c.add(
+        audit(1, 2, b"", tensors=tuple((n, h(n, "flip")) for n in NAMES[:2]) + tensors(2)[2:]), 0.5
+    )
+    (found,) = c.findings
+    assert "both ranks must hold the same values" in found.report
+    assert "2 tensors of 4 differ: 0.weight, 0.bias" in found.report
 
 
 def test_the_answer_says_which_steps_are_compared() -> None:

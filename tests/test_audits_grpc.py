@@ -89,7 +89,7 @@ def test_a_rank_that_diverged_is_named_after_its_tensors_are_asked_for(
         "replicas diverged at step 3: rank 2 on host0 differs from ranks 0-1,3 in fc.bias"
     )
     assert answer.diverged_step == 3 and answer.stop_step == 0
-    assert "1 tensor of 2 differ: fc.bias (rank 2 against rank 0)" in answer.report
+    assert "1 tensor of 2 differs: fc.bias (rank 2 against rank 0)" in answer.report
     (record,) = list_audits(addr, "aud-grpc")
     assert (record.kind, record.step, record.level) == ("diverged", 3, "warn")
     assert record.report == answer.report

@@ -80,7 +80,7 @@ def test_a_bit_flipped_on_rank_2_is_named_at_the_next_audit_and_training_goes_on
         for rank in range(4):  # every rank is told, once
             assert out.count(f"[cohortgate] rank {rank} on ") == 1, out
             assert f"rank {rank} on {host_of(out)}: {headline}" in out, out
-        assert "1 tensor of 6 differ: 2.weight (rank 2 against rank 0)" in out
+        assert "1 tensor of 6 differs: 2.weight (rank 2 against rank 0)" in out
         assert out.count("trained 20 steps") == 4
         (record,) = audits_of(addr, "audit-warn")
         assert (record.kind, record.step, record.level, record.headline) == (
@@ -110,7 +110,7 @@ def test_strict_stops_every_rank_at_one_step_with_the_report_in_torchruns_root_c
     assert "exitcode  : 5" in root
     assert HEADLINE.format(host=host_of(out)) in root
     assert f"The strict policy stops the job at step {stop}" in root
-    assert "1 tensor of 6 differ: 2.weight (rank 2 against rank 0)" in root
+    assert "1 tensor of 6 differs: 2.weight (rank 2 against rank 0)" in root
 
 
 def test_under_tp2_dp2_the_replicas_of_each_slice_are_compared_not_all_ranks(

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from coordinator.contract import ranges
 from coordinator.decision.verdict import Level
+from coordinator.decision.words import all_ranks, plural
+from coordinator.decision.words import differ as verb
 from coordinator.decision.words import hosts as host_list
-from coordinator.decision.words import plural
 
 # A strict stop lands this far ahead of the fastest rank, and at least MARGIN_STEPS: every
 # rank hears of it (in the answer to one of its next audits, a relay's batch window and a
@@ -280,7 +281,7 @@ class CohortAudits:
             lines.append(
                 f"replica group {group} (ranks that must hold the same values):"
                 if group
-                else f"all {self.world_size} ranks must hold the same values (no layout):"
+                else f"{all_ranks(self.world_size)} must hold the same values (no layout):"
             )
             ref = classes[0]
             lines.append(f"  reference: {_class_text(ref)}")
@@ -343,7 +344,8 @@ class CohortAudits:
         more = f" and {len(differ) - SHOWN_TENSORS} more" if len(differ) > SHOWN_TENSORS else ""
         cut = " (of the tensors sent; the list was cut)" if a[1] or b[1] else ""
         return differ[0], (
-            f"{plural(len(differ), 'tensor')} of {len(names)} differ{cut}: {shown}{more} "
+            f"{plural(len(differ), 'tensor')} of {len(names)} {verb(len(differ))}{cut}: "
+            f"{shown}{more} "
             f"(rank {other.ranks[0]} against rank {ref.ranks[0]})"
         )
 

@@ -26,6 +26,16 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def all_ranks(n: int) -> str:
+    """ "all 4 ranks", "both ranks", "the one rank": never "all 2 ranks"."""
+    return {1: "the one rank", 2: "both ranks"}.get(n, f"all {n} ranks")
+
+
+def differ(n: int) -> str:
+    """The verb for `n` things: "1 tensor of 6 differs", "2 tensors of 6 differ"."""
+    return "differs" if n == 1 else "differ"
+
+
 def _class_line(c: SignatureClass, label: str) -> str:
     return (
         f"{label} signature {c.signature.hex()[:12]}: {plural(len(c.ranks), 'rank')} "

@@ -10,6 +10,7 @@ from coordinator.contract.fingerprint import AGREED, Fields, disagreements
 from coordinator.decision.checks.base import Check, Context, Refused, Result
 from coordinator.decision.checks.code_files import files_lines, wanted_files
 from coordinator.decision.verdict import Cause, Finding, Level
+from coordinator.decision.words import all_ranks
 
 
 class AgreementCheck(Check):
@@ -78,7 +79,7 @@ class AgreementCheck(Check):
         models = len(r.decision.classes)
         if models > 1 and not any(c.group for c in r.decision.classes):
             return (
-                f"all {r.cohort.world_size} ranks joined, but {self.head}, and so built "
+                f"{all_ranks(r.cohort.world_size)} joined, but {self.head}, and so built "
                 f"{models} different models (the shape differences below follow from it)."
             )
         return super().heading(r)

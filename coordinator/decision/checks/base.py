@@ -13,7 +13,7 @@ from coordinator.contract.layout import Layout
 from coordinator.contract.ranges import by_value
 from coordinator.decision.cohort import CohortState
 from coordinator.decision.verdict import Cause, Decision, DiffKey, Finding, Level, SignatureClass
-from coordinator.decision.words import class_lines, culprits_headline, refused
+from coordinator.decision.words import all_ranks, class_lines, culprits_headline, refused
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Check(Words):
 
     # -- its words ---------------------------------------------------------------------
     def heading(self, r: Refused) -> str:
-        return f"all {r.cohort.world_size} ranks joined, but {self.head}."
+        return f"{all_ranks(r.cohort.world_size)} joined, but {self.head}."
 
     def what_to_do(self, r: Refused) -> str:
         return self.advice

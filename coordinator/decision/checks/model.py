@@ -14,7 +14,7 @@ from coordinator.decision.checks.base import Check, Context, Refused, Result, di
 from coordinator.decision.checks.layout import layered_reason
 from coordinator.decision.classes import replica_classes, signature_classes
 from coordinator.decision.verdict import Cause, Finding, Level
-from coordinator.decision.words import MODEL_ADVICE
+from coordinator.decision.words import MODEL_ADVICE, all_ranks
 
 # Global fingerprint fields of a layout that name the model itself.
 _FINGERPRINT: dict[str, Callable[[Layout], str]] = {
@@ -37,7 +37,7 @@ class ModelCheck(Check):
         classes = r.decision.classes
         if classes and not any(c.group for c in classes):
             n = r.cohort.world_size
-            return f"all {n} ranks joined, but with {len(classes)} different model signatures."
+            return f"{all_ranks(n)} joined, but with {len(classes)} different model signatures."
         return super().heading(r)
 
     def run(self, ctx: Context, level: Level) -> Result:

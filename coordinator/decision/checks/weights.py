@@ -12,6 +12,7 @@ from coordinator.decision.checks.base import Check, Context, Refused, Result
 from coordinator.decision.classes import weight_classes
 from coordinator.decision.cohort import CohortState
 from coordinator.decision.verdict import Cause, Finding, Level
+from coordinator.decision.words import all_ranks
 
 NAMES_SHOWN = 10
 # A weights refusal's kind -> the words its reason uses
@@ -66,7 +67,7 @@ class WeightsCheck(Check):
 
     def heading(self, r: Refused) -> str:
         return (
-            f"all {r.cohort.world_size} ranks joined with matching models, but "
+            f"{all_ranks(r.cohort.world_size)} joined with matching models, but "
             + WEIGHT_HEADS[r.decision.weights or "values"]
         )
 
