@@ -119,6 +119,7 @@ def join(
         init_method=init_method,
         launch=identity.launch,
         restart_count=identity.restart_count,
+        elastic=identity.elastic,
         sharded_without_layout=sharded_without_layout,
         # Rank 0 reports progress; the others need only the first event and the verdict.
         quiet=identity.rank != 0 and on_progress is None,

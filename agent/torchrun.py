@@ -71,6 +71,7 @@ class RankIdentity:
     error_file: str | None
     endpoint_host: str
     launch: str = ""
+    elastic: bool = False  # a worker of torchrun's elastic agent (TORCHELASTIC_RUN_ID)
 
     @classmethod
     def from_env(
@@ -113,6 +114,7 @@ class RankIdentity:
             error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
             endpoint_host=env.get("COHORTGATE_ENDPOINT_HOST") or env.get("MASTER_ADDR") or host,
             launch=launch_of(env, host),
+            elastic=bool(env.get("TORCHELASTIC_RUN_ID")),
         )
 
 

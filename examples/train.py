@@ -18,6 +18,9 @@ Flags make chosen ranks build a different model, to show a refusal:
   --step-sleep S    sleep S seconds per step (a slower step, as real training has)
   --quiet           no line per step; rank 0 still prints the mean step time and, with
                     --audit, the time the training thread spent in cohort.audit()
+  --crash-rank R    rank R exits 1 right after its cohort formed, in torchrun's first
+                    attempt only (TORCHELASTIC_RESTART_COUNT 0): with --max-restarts, torchrun
+                    restarts every worker and the next round forms
   --no-close        (with --audit) skip cohort.close() at the end: the agent's exit hook
                     has the last word (a strict divergence still exits non-zero, code 5)
   --hold-rank R --hold-file F
@@ -86,6 +89,7 @@ def parse_args() -> argparse.Namespace:
     add("--flip-step", type=int, default=-1, help="the step after which --flip-rank flips")
     add("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (default 0)")
     add("--quiet", action="store_true", help="no line per step")
+    add("--crash-rank", type=int, default=-1, help="rank R exits 1 after forming, first try only")
     add(
         "--no-close",
         action="store_true",
@@ -160,6 +164,9 @@ def main() -> int:
         say(f"rank {rank}: cohortgate: {exc}", sys.stderr)
         return 4
 
+    if rank == args.crash_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        say(f"rank {rank}: crashing after cohort {cohort.cohort_id} formed (first attempt)")
+        os._exit(1)
     # The cohort's own endpoint carries the collectives: check it sums correctly.
     total = torch.tensor([float(cohort.rank + 1)])
     dist.all_reduce(total)

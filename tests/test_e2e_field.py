@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,31 @@ def test_two_nodes_through_cohortgate_run_form_then_a_wider_node_is_refused_on_b
         reports.append(out[start : out.index("What to do", start)])
     assert reports[0] == reports[1], "both nodes get the same report"
     assert "differs:   signature" in reports[0] and "2 ranks [2-3]" in reports[0]
+
+
+def test_a_torchrun_restart_through_cohortgate_run_on_two_nodes_forms_the_next_round(
+    tmp_path: Path,
+) -> None:
+    """Rank 3 (node 2) dies right after its cohort formed; torchrun (--max-restarts 1)
+    restarts every worker on both nodes, and through the node relays the restarted workers
+    form round 2 and train."""
+    with coordinator_process("--join-deadline", "120", tmp=tmp_path) as (addr, log):
+        rdzv = f"127.0.0.1:{free_port()}"
+        job = "restart-relay"
+        two = two_node_args(rdzv, job, TRAIN, "--steps", "2", "--crash-rank", "3")
+        args = ["--coordinator", addr, "--max-restarts", "1", *two]
+        procs = [launch(args, launch_env(tmp_path), tmp_path, via="cohortgate run") for _ in "ab"]
+        outs = finish(procs)
+        said = log.read_text()
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, f"{out}\n--- the other node:\n{''.join(outs)}\n{said}"
+        assert "through this node's relay 127.0.0.1:" in out, out
+    both = "".join(outs)
+    assert f"rank 3: crashing after cohort {job}/1/" in both, both
+    trained = re.findall(
+        rf"cohort ({job}/\d+/\w+) formed, all_reduce sum 10, trained 2 steps", both
+    )
+    assert len(trained) == 4 and {c.split("/")[1] for c in trained} == {"2"}, both
 
 
 def _marked(mark: str) -> list[int]:

@@ -249,6 +249,25 @@ def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict
     assert again.replayed and again.successor and again.cohort is result.cohort
 
 
+def test_a_torchrun_worker_restarted_with_its_node_joins_the_next_round() -> None:
+    """torchrun restarts a healthy node's workers, without raising their restart count,
+    when another node re-rendezvouses after a crash: same launch, same count, same model,
+    seconds after the decision. They are no successors: the job's next round is theirs."""
+    from coordinator.state.memory import MemoryStore
+
+    store = MemoryStore(lambda: 0.0)
+    old = member(0)
+    old.elastic = True
+    result = store.join(JoinIntent("elastic", 0, old, 1))
+    result.cohort.state.manifests[old.signature] = M  # type: ignore[assignment]
+    decide_in(store, result.cohort, 0.0)
+    assert result.cohort.verdict is not None
+    new = member(0)
+    new.elastic = True
+    again = store.join(JoinIntent("elastic", 0, new, 1))
+    assert not again.replayed and again.cohort.round == 2
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("via", ["direct", "relay"])

@@ -58,6 +58,7 @@ class Member:
     weights_digest: bytes = b""  # agent.join(verify_values=True); b"": not sent
     launch: str = ""  # which launch of the job (torchrun's store endpoint); "": unknown
     restart_count: int = 0  # torchrun's restart count: a torchrun restart raises it
+    elastic: bool = False  # a torchrun worker: a new process of it is never a successor
     sharded_without_layout: bool = False  # DTensor parameters, no layout declared
     # What the job must agree on beyond parameters (see contract.fingerprint): check name
     # ("config", "code", "facts") -> the rank's fields; a name absent: not sent.

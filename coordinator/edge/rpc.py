@@ -134,6 +134,7 @@ def join_intent(
         weights_digest=weights_digest,
         launch=seen.text(req.launch, "launch"),
         restart_count=req.restart_count,
+        elastic=req.elastic,
         sharded_without_layout=req.sharded_without_layout,
         agreed={
             name: seen.agreed(req, name, limits)

@@ -30,7 +30,9 @@ UPLOAD_SLACK_BYTES = 64 * 1024
 # same model) that joins within this many seconds of the decision is its predecessor's
 # successor: the process died as the round was decided and came straight back, and the
 # other ranks have their verdict. It gets that verdict, so every rank of the round has one.
-# A torchrun restart raises the restart count on every worker and opens a new round. A
+# Never a torchrun worker's: torchrun starts a new process of a rank only with its whole
+# node, after a crash (raising the restart count) or when another node re-rendezvouses
+# (keeping it), and either way the job forms a new round. A
 # rank started without torchrun names no launch (a node supervisor, a container restart, a
 # harness): its successor is a new process of the same rank on the same host. A harness
 # that relaunches a whole job within the window names a launch of its own (as torchrun does).
@@ -168,6 +170,7 @@ class MemoryStore(CohortStore):
             or decided_at is None
             or now - decided_at > SUCCESSOR_WINDOW_S
             or held is None
+            or new.elastic
             or (held.launch, held.restart_count) != (new.launch, new.restart_count)
             or (not held.launch and held.host != new.host)
             or (held.signature, held.weights_digest, held.layout, held.agreed)

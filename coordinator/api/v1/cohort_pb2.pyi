@@ -351,6 +351,7 @@ class JoinRequest(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     FACTS_FIELD_NUMBER: _builtins.int
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
+    ELASTIC_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     job_id: _builtins.str
     """default TORCHELASTIC_RUN_ID"""
@@ -395,6 +396,12 @@ class JoinRequest(_message.Message):
     """torchrun's TORCHELASTIC_RESTART_COUNT: a torchrun restart raises it on every worker. A
     new incarnation of a rank with the same launch and restart count is the same worker
     generation (a process that died as its round was decided and came straight back).
+    """
+    elastic: _builtins.bool
+    """A worker of torchrun's elastic agent (TORCHELASTIC_RUN_ID set). The agent starts a new
+    process of a rank only with its whole node, after a crash (raising restart_count) or
+    when another node re-rendezvouses (keeping it): never a lone successor in a decided
+    round, always a join of the next round.
     """
     @_builtins.property
     def runtime(self) -> Global___RuntimeFacts: ...
@@ -444,10 +451,11 @@ class JoinRequest(_message.Message):
         code: Global___Fingerprint | None = ...,
         facts: Global___Fingerprint | None = ...,
         restart_count: _builtins.int = ...,
+        elastic: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "config", b"config", "facts", b"facts", "layout", b"layout", "runtime", b"runtime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "config", b"config", "facts", b"facts", "host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "launch", b"launch", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "restart_count", b"restart_count", "round", b"round", "runtime", b"runtime", "sharded_without_layout", b"sharded_without_layout", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "config", b"config", "elastic", b"elastic", "facts", b"facts", "host", b"host", "incarnation", b"incarnation", "init_method", b"init_method", "job_id", b"job_id", "launch", b"launch", "layout", b"layout", "local_rank", b"local_rank", "manifest_entries", b"manifest_entries", "pid", b"pid", "protocol_version", b"protocol_version", "quiet", b"quiet", "rank", b"rank", "restart_count", b"restart_count", "round", b"round", "runtime", b"runtime", "sharded_without_layout", b"sharded_without_layout", "signature", b"signature", "weights_digest", b"weights_digest", "weights_digest_format", b"weights_digest_format", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
