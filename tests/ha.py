@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,7 +38,7 @@ class Replica:
 
     @property
     def leading(self) -> bool:
-        return self.health() == health_pb2.HealthCheckResponse.SERVING
+        return bool(self.health() == health_pb2.HealthCheckResponse.SERVING)
 
     def signal(self, sig: signal.Signals) -> None:
         os.kill(self.pid, sig)
@@ -114,7 +115,7 @@ def _http(replica: Replica, path: str) -> bytes:
         return bytes(reply.read())
 
 
-def status_json(replica: Replica) -> dict[str, object]:
+def status_json(replica: Replica) -> dict[str, Any]:
     return dict(json.loads(_http(replica, "/status.json")))
 
 

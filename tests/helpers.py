@@ -486,12 +486,16 @@ def log_events(log: Path) -> list[dict[str, Any]]:
     return events
 
 
-def serving_pid(log: Path) -> int:
-    """The pid the coordinator logged when it started serving."""
-    for event in log_events(log):
-        if event.get("event") == "serving":
-            return int(event["pid"])
-    raise AssertionError("no 'serving' line in the coordinator log")
+def serving_pid(log: Path, within: float = 10.0) -> int:
+    """The pid the coordinator logged when it started serving (the line may follow the port
+    file by a moment on a busy machine: waited for, `within` seconds)."""
+    give_up = time.monotonic() + within
+    while True:
+        for event in log_events(log):
+            if event.get("event") == "serving":
+                return int(event["pid"])
+        assert time.monotonic() < give_up, "no 'serving' line in the coordinator log"
+        time.sleep(0.05)
 
 
 def examples(n: int) -> int:

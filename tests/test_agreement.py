@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import grpc
 import pytest
@@ -88,7 +89,7 @@ def test_a_config_that_changed_the_shapes_is_the_cause_and_leads_the_report(
     from transformers import GPT2Config
 
     def fields(rank: int) -> Fields:
-        values = {"n_layer": 2, "n_embd": 64, "n_head": 4}
+        values: dict[str, Any] = {"n_layer": 2, "n_embd": 64, "n_head": 4}
         if rank == 3:
             values[field] = odd
         return fields_of(config_fields(GPT2Config(**values).to_dict()))
@@ -180,7 +181,10 @@ def test_hugging_face_configs_are_named_by_their_standard_fields() -> None:
     assert "_name_or_path" not in gpt2 and "transformers_version" not in gpt2
     llama = config_fields(
         transformers.LlamaConfig(
-            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, rope_theta=500000.0
+            hidden_size=64,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            rope_theta=500000.0,  # type: ignore[call-arg]
         )
     )
     assert any(k.endswith("rope_theta") and v == "500000.0" for k, v in llama.items()), llama
@@ -210,7 +214,8 @@ def test_every_cause_reaches_the_wire_and_every_agreed_key_is_a_join_field() -> 
     assert len(set(_CAUSE_TO_PB.values())) == len(Cause), "two causes share a wire value"
     join = pb.JoinRequest.DESCRIPTOR.fields_by_name
     for name in AGREED:  # the agent sends it, the coordinator reads it, by this name
-        assert name in join and join[name].message_type.name == "Fingerprint", name
+        message = join[name].message_type if name in join else None
+        assert message is not None and message.name == "Fingerprint", name
 
 
 def test_every_refusal_is_worded_by_what_refused() -> None:
@@ -244,7 +249,7 @@ def test_the_tokenizer_fingerprint_catches_one_added_special_token() -> None:
         vocab = {"<unk>": 0, "hello": 1, "world": 2}
         backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         backend.pre_tokenizer = pre_tokenizers.Whitespace()
-        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")  # type: ignore[no-untyped-call]
 
     same, other = tokenizer(), tokenizer()
     assert tokenizer_fingerprint(same) == tokenizer_fingerprint(other)

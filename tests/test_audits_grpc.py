@@ -57,7 +57,7 @@ def refused(addr: str, *audits: pb.RankAudit) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as caught:
         send(addr, *audits)
     err = caught.value
-    return err.code(), err.details() or ""  # type: ignore[attr-defined]
+    return err.code(), err.details() or ""
 
 
 def list_audits(addr: str, job: str) -> list[pb.AuditRecord]:

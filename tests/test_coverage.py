@@ -76,7 +76,7 @@ def bricks(rows: int, columns: int, shift: int | None = None) -> list[Piece]:
     """A brick wall over (rows, columns): even rows in bricks of 2 from 0, odd rows from 1
     (half-bricks at their ends), so no grid of slabs tiles it; `shift` moves that row's
     second brick one column right."""
-    pieces = []
+    pieces: list[Piece] = []
     for r in range(rows):
         starts = list(range(0, columns, 2)) if r % 2 == 0 else [0, *range(1, columns, 2)]
         for k, s in enumerate(starts):

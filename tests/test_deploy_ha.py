@@ -5,8 +5,9 @@ and only settings `serve` reads."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-import yaml
+import yaml  # type: ignore[import-untyped]
 
 from coordinator.edge.config import ServeConfig
 from coordinator.edge.server import SERVICE_NAME
@@ -14,7 +15,7 @@ from coordinator.edge.server import SERVICE_NAME
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _docs() -> dict[str, dict[str, object]]:
+def _docs() -> dict[str, dict[str, Any]]:
     docs = yaml.safe_load_all((REPO / "deploy/k8s/coordinator-ha.yaml").read_text())
     return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
 

@@ -98,7 +98,8 @@ def test_dtensors_digest_their_local_shard() -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     w, b = torch.randn(8, 4), torch.randn(4)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         net = nn.Module()
@@ -115,10 +116,13 @@ class _NoStorage(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> _NoStorage:
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined,no-any-return]
+        made: _NoStorage = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        return made
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         raise NotImplementedError(func)
 
 

@@ -22,6 +22,7 @@ from coordinator.cli.launch import LaunchError, job_id, parse_torchrun
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
+    RankResult,
     coordinator_process,
     free_port,
     join_request,
@@ -249,7 +250,7 @@ def test_a_relaunch_after_an_abandoned_round_forms_at_once(coord: InProcessCoord
         assert time.monotonic() < give_up, "the round was not abandoned"
         time.sleep(0.05)
     started = time.monotonic()
-    results = [None] * 4
+    results: list[RankResult | None] = [None] * 4
     threads = [
         threading.Thread(
             target=lambda r: results.__setitem__(

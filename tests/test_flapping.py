@@ -81,7 +81,7 @@ def test_a_decided_round_is_kept_however_many_rounds_are_abandoned_after_it() ->
     ranks = [member_of(r, M) for r in (0, 1)]
     for m in ranks:
         result = store.join(JoinIntent("kept", 0, m, 2))
-    result.cohort.state.manifests[M.signature()] = M  # type: ignore[assignment]
+    result.cohort.state.manifests[M.signature()] = M
     decide_in(store, result.cohort, now[0])
     assert result.cohort.verdict is not None
     now[0] += 60.0  # past the successor window

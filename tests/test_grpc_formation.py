@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -16,6 +16,7 @@ from coordinator.codec import wire
 from coordinator.contract.manifest import Entry, Kind, Manifest
 from tests.helpers import (
     InProcessCoordinator,
+    RankResult,
     join_request,
     manifest_of,
     run_cohort,
@@ -258,9 +259,17 @@ def test_a_members_upload_with_invalid_manifest_fields_names_the_field(
         stub = pb_grpc.CohortServiceStub(channel)
         call = stub.Join(req, timeout=30)
         next(iter(call))  # a member now, waiting for rank 1
-        bad = pb.Manifest(format=1, entries=[pb.ManifestEntry(kind=1, name="w", dtype="Float!")])
+        bad = pb.Manifest(
+            format=1,
+            entries=[
+                pb.ManifestEntry(kind=pb.ManifestEntry.KIND_PARAMETER, name="w", dtype="Float!")
+            ],
+        )
         error = _upload(stub, req, bad)
-        huge = pb.Manifest(format=1, entries=[pb.ManifestEntry(kind=1, name="w" * 1000)] * 200)
+        huge = pb.Manifest(
+            format=1,
+            entries=[pb.ManifestEntry(kind=pb.ManifestEntry.KIND_PARAMETER, name="w" * 1000)] * 200,
+        )
         too_big = _upload(stub, req, huge)  # 3 entries announced, 200 KB sent
         call.cancel()
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -286,15 +295,15 @@ def test_a_non_members_upload_is_refused_before_its_payload_is_decoded(
 def test_two_jobs_interleaved_do_not_interfere(coord: InProcessCoordinator) -> None:
     a, b = manifest_of(4), manifest_of(8)
     with ThreadPoolExecutor(max_workers=6) as pool:
-        futures = []
+        futures: list[Future[RankResult]] = []
         for r in range(3):
             futures.append(pool.submit(run_rank, coord.addr, join_request("job-x", r, 3, a), a))
             futures.append(pool.submit(run_rank, coord.addr, join_request("job-y", r, 3, b), b))
         results = [f.result(timeout=30) for f in futures]
     by_job: dict[str, set[str]] = {}
-    for r in results:
-        assert r.verdict is not None and r.verdict.outcome == FORMED, r.error
-        by_job.setdefault(r.verdict.job_id, set()).add(r.verdict.cohort_id)
+    for result in results:
+        assert result.verdict is not None and result.verdict.outcome == FORMED, result.error
+        by_job.setdefault(result.verdict.job_id, set()).add(result.verdict.cohort_id)
     assert set(by_job) == {"job-x", "job-y"}
     assert all(len(ids) == 1 for ids in by_job.values())
 
@@ -333,7 +342,6 @@ def test_verdict_is_replayed_to_the_same_incarnation(coord: InProcessCoordinator
     m = manifest_of()
     requests = [join_request("replay", r, 2, m) for r in range(2)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        first = [pool.submit(run_rank, coord.addr, q, m).result(timeout=30) for q in []]
         futures = [pool.submit(run_rank, coord.addr, q, m) for q in requests]
         first = [f.result(timeout=30) for f in futures]
     again = run_rank(coord.addr, requests[1], m)

@@ -4,6 +4,7 @@ failover never splits a cohort's outcome (SIGKILL, SIGSTOP, a killed etcd)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import signal
@@ -53,7 +54,7 @@ TTL = 2
 
 def held_job(
     tmp: Path, addrs: str, job: str, hold: Path, *, env: dict[str, str] | None = None
-) -> tuple[object, list[str]]:
+) -> tuple[subprocess.Popen[str], list[str]]:
     """A 4-rank torchrun job whose ranks 2 and 3 join once `hold` exists."""
     args = [
         "--nproc-per-node",
@@ -98,7 +99,7 @@ def test_one_of_two_campaigners_leads_and_the_other_takes_over_when_it_resigns(
             replica=name,
             advertise=f"{name}:7070",
             ttl_s=TTL,
-            changed=lambda leading, _, n=name: changes.append((n, leading)),
+            changed=functools.partial(lambda n, leading, _: changes.append((n, leading)), name),
         )
         for t, name in zip(threads, ("a", "b"), strict=True)
     ]
@@ -141,7 +142,10 @@ def test_a_hung_etcd_fails_every_call_in_flight_as_an_etcd_error(tmp_path: Path)
                 slow = client.call(
                     "slow range", lambda md, _: client.kv.Range(request, timeout=10, metadata=md)
                 )
-                return await asyncio.gather(slow, client.range(b"fast"), return_exceptions=True)
+                got: list[object] = await asyncio.gather(
+                    slow, client.range(b"fast"), return_exceptions=True
+                )
+                return got
 
             outcomes = thread.run(both(), 15)
             assert [type(o) for o in outcomes] == [EtcdError, EtcdError], outcomes
@@ -239,7 +243,7 @@ def test_a_standby_answers_joins_with_the_leaders_address_which_the_agent_follow
         named = dict(refused.value.trailing_metadata() or ())
         assert named[LEADER_KEY] == leader.addr
         # the agent's real client, given the standby only, follows it to the leader
-        verdicts = [None, None]
+        verdicts: list[pb.Verdict | None] = [None, None]
 
         def rank(r: int) -> None:
             verdicts[r] = agent_rank(standby.addr, "followed", r, 2, M, timeout_s=30)
@@ -279,10 +283,10 @@ def test_a_standby_answers_joins_with_the_leaders_address_which_the_agent_follow
         assert reply.answers[0].cohort_id == formed.cohort_id
         # a standby's status says so and lists the leader's verdicts (shared history)
         status = status_json(standby)
-        assert status["replica"]["role"] == "standby"  # type: ignore[index]
-        assert "the leader is at" in status["degraded"]["standby"]  # type: ignore[index]
+        assert status["replica"]["role"] == "standby"
+        assert "the leader is at" in status["degraded"]["standby"]
         deadline = time.monotonic() + 5
-        while not any(v["job_id"] == "followed" for v in status["recent_verdicts"]):  # type: ignore[union-attr]
+        while not any(v["job_id"] == "followed" for v in status["recent_verdicts"]):
             assert time.monotonic() < deadline, "the standby never saw the leader's verdict"
             time.sleep(0.2)
             status = status_json(standby)
@@ -296,7 +300,7 @@ def test_explain_and_status_read_whichever_replica_answers_and_etcd_itself(
     with replicas(tmp_path, etcd.endpoint, prefix, ttl=TTL) as group:
         leader, standby = roles(group)
         job = "explained"
-        verdicts = [None, None]
+        verdicts: list[pb.Verdict | None] = [None, None]
 
         def rank(r: int) -> None:
             wide = manifest_of(8) if r == 1 else M  # refused: a report to explain
@@ -319,9 +323,11 @@ def test_explain_and_status_read_whichever_replica_answers_and_etcd_itself(
             time.sleep(0.3)
         from_etcd = run("explain", job, "--etcd", etcd.endpoint, "--etcd-prefix", prefix, "--json")
         assert from_etcd.returncode == 0, from_etcd.stderr
+        first = verdicts[0]
+        assert first is not None
         for out in (asked.stdout, from_etcd.stdout):
             record = json.loads(out)
-            assert record["cohort_id"] == verdicts[0].cohort_id  # type: ignore[union-attr]
+            assert record["cohort_id"] == first.cohort_id
             assert record["outcome"] == "refused" and "signature" in record["report"]
         listed = run("status", "--addr", f"{standby.addr},{leader.addr}", "--json")
         assert listed.returncode == 0, listed.stderr
@@ -446,7 +452,7 @@ def test_upstream_rotates_through_its_replicas_and_follows_a_named_leader() -> N
     up.reached()
     standby = Refusal(details="this coordinator is a standby and no replica leads now")
     pauses = [up.failed(standby) for _ in range(3)]
-    assert pauses[:2] == [0.0, 0.0] and 0.25 <= pauses[2] <= 0.5, "asked again within 0.5 s"
+    assert pauses[:2] == [0.0, 0.0] and 0.25 <= (pauses[2] or 0) <= 0.5, "asked again in 0.5 s"
     single = Upstream("svc:7070")
     assert 0.25 <= (single.failed(standby) or 0) <= 0.5 and single.failed(Refusal()) is None
     with pytest.raises(Exception, match="COHORTGATE_ADDR"):
@@ -513,8 +519,8 @@ def test_leader_killed_while_a_job_waits_the_job_forms_on_the_standby(
             hold.touch()
             (out,) = finish([proc], timeout=180)
         finally:
-            kill_group(proc)  # type: ignore[arg-type]
-        assert proc.returncode == 0, out  # type: ignore[attr-defined]
+            kill_group(proc)
+        assert proc.returncode == 0, out
         assert len(formed_ids(out)) == 1 and out.count("trained 1 steps") == 4, out
         formed = standby.events("cohort formed")
         assert formed, "the standby formed it"
@@ -651,8 +657,8 @@ def test_a_paused_leader_that_wakes_after_a_takeover_sends_nothing_and_steps_dow
                 old.signal(signal.SIGCONT)
             (out,) = finish([proc], timeout=200)
         finally:
-            kill_group(proc)  # type: ignore[arg-type]
-        assert proc.returncode == 0, out  # type: ignore[attr-defined]
+            kill_group(proc)
+        assert proc.returncode == 0, out
         assert len(formed_ids(out)) == 1 and out.count("trained 1 steps") == 4, out
         assert standby.events("cohort formed")
         assert not old.events("cohort formed"), "the old leader decided nothing"
@@ -687,12 +693,12 @@ def test_with_etcd_killed_no_verdict_is_sent_unstored_and_launches_resume_once_i
                 decided = [e for r in group for e in r.events("cohort formed")]
                 # Decided (the cohort is complete) but not stored: no rank may have it yet.
                 # (With a 1 s fallback to sending unstored, the job has trained and ended.)
-                assert proc.poll() is None, "a rank got a verdict while etcd was away"  # type: ignore[attr-defined]
+                assert proc.poll() is None, "a rank got a verdict while etcd was away"
                 etcd.start() if fault == "kill" else etcd.resume()
                 (out,) = finish([proc], timeout=200)
             finally:
-                kill_group(proc)  # type: ignore[arg-type]
-            assert proc.returncode == 0, out  # type: ignore[attr-defined]
+                kill_group(proc)
+            assert proc.returncode == 0, out
             assert "no cohortgate coordinator at" in out and "leads now" in out, out
             assert f"127.0.0.1:{etcd.client_port}" in out, "rank 0 names etcd as the cause"
             (cohort_id,) = formed_ids(out)

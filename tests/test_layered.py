@@ -3,6 +3,8 @@ decision with an injected clock, no network."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from coordinator.contract.layout import (
@@ -25,7 +27,7 @@ def manifest(rows: int) -> Manifest:
 
 
 def mesh_layout(rank: int, rows: int = 32, claimed: int | None = None, **overrides: int) -> Layout:
-    sizes = {"tp": 2, "pp": 2, "dp": 2, **overrides}
+    sizes: dict[str, Any] = {"tp": 2, "pp": 2, "dp": 2, **overrides}
     decl: LayoutBuilder = layout(rank if claimed is None else claimed, **sizes)
     tp, pp = decl.position["tp"], decl.position["pp"]
     decl.shard(f"layers.{pp}.fc1.weight", (64, 16), (tp * 32, 0), (rows, 16))

@@ -60,7 +60,7 @@ def _split_headline(sizes: tuple[int, int]) -> str:
         m = narrow if rank < sizes[0] else wide
         member = member_of(rank, m, host=f"node{'ab'[rank >= sizes[0]]}")
         result = store.join(JoinIntent("split", 0, member, world))
-        result.cohort.state.manifests[m.signature()] = m  # type: ignore[assignment]
+        result.cohort.state.manifests[m.signature()] = m
     cohort = store.find("split")
     assert cohort is not None
     _, verdict = judge(cohort.state, time.time(), FormationOptions())

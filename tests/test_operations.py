@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -244,7 +245,7 @@ def test_real_prometheus_scrapes_and_answers_promql(
     )
     try:
         query = "sum by (outcome) (cohortgate_verdicts_total)"
-        url = f"http://127.0.0.1:{port}/api/v1/query?query=" + urllib.request.quote(query)
+        url = f"http://127.0.0.1:{port}/api/v1/query?query=" + urllib.parse.quote(query)
         give_up = time.monotonic() + 60
         while True:
             try:
@@ -388,7 +389,7 @@ def test_a_watcher_gets_at_most_one_update_per_job_per_watch_interval() -> None:
             )
             seen: list[pb.CohortSummary] = []
             with ThreadPoolExecutor(max_workers=13) as pool:
-                reader = pool.submit(lambda: [seen.append(s) for s in watch])
+                reader = pool.submit(seen.extend, watch)
                 start = time.monotonic()
                 ranks = []
                 for r in range(12):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from hypothesis import given, settings
@@ -71,7 +72,7 @@ def layouts(
 
 
 def arrays(
-    pieces: list[tuple[tuple[int, ...], tuple[int, ...]]], dims: int
+    pieces: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], dims: int
 ) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.array([p[0] for p in pieces], dtype=np.int64).reshape(-1, dims)
     lengths = np.array([p[1] for p in pieces], dtype=np.int64).reshape(-1, dims)

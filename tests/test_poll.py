@@ -121,12 +121,13 @@ def test_an_upload_ask_is_answered_once_across_polls(coord: InProcessCoordinator
         stub = pb_grpc.CohortServiceStub(channel)
 
         def poll() -> pb.JoinEvent:
-            return stub.JoinPoll(pb.JoinGroupRequest(members=members), timeout=30)
+            event: pb.JoinEvent = stub.JoinPoll(pb.JoinGroupRequest(members=members), timeout=30)
+            return event
 
-        kinds = []
+        kinds: list[str] = []
         while not kinds or kinds[-1] != "manifest_request":
             event = poll()
-            kinds.append(event.WhichOneof("event"))
+            kinds.append(str(event.WhichOneof("event")))
             assert kinds.count("progress") <= 1, kinds
             if kinds[-1] == "progress":
                 for member in members:

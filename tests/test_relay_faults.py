@@ -340,7 +340,7 @@ def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
         )
         kill_group(proc)
         quiet = [e for e in log_events(log) if e["level"] == "warning"]
-        proc = session(
+        loud = session(
             [
                 sys.executable,
                 "-m",
@@ -357,10 +357,10 @@ def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
             ]
         )
         try:
-            assert proc.stdout is not None
-            warned = json.loads(proc.stdout.readline())
+            assert loud.stdout is not None
+            warned = json.loads(loud.stdout.readline())
         finally:
-            kill_group(proc)
+            kill_group(loud)
     finally:
         c.stop()
     assert quiet == [], "loopback: no warning"

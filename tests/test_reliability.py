@@ -355,7 +355,7 @@ def test_chaos_200_rounds_of_32_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_an_agent_that_never_reaches_the_coordinator_names_its_address() -> None:
-    from agent.client import CohortgateError
+    from agent.torchrun import CohortgateError
 
     addr = f"127.0.0.1:{free_port()}"  # nothing listens here
     started = time.monotonic()

@@ -209,7 +209,7 @@ def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_roun
 
     def form(m: Member) -> None:
         result = store.join(JoinIntent("forgot", 0, m, 1))
-        result.cohort.state.manifests[m.signature] = M  # type: ignore[assignment]
+        result.cohort.state.manifests[m.signature] = M
         decide_in(store, result.cohort, now[0])
         assert result.cohort.verdict is not None and result.cohort.verdict.outcome.value == "formed"
 
@@ -233,7 +233,7 @@ def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict
     old = member(0)
     old.launch = ""
     result = store.join(JoinIntent("lone", 0, old, 1))
-    result.cohort.state.manifests[old.signature] = M  # type: ignore[assignment]
+    result.cohort.state.manifests[old.signature] = M
     decide_in(store, result.cohort, 0.0)
     assert result.cohort.verdict is not None
     elsewhere = member(0)
@@ -241,7 +241,7 @@ def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict
     assert not store.join(JoinIntent("lone", 0, elsewhere, 1)).replayed
     store = MemoryStore(lambda: 0.0)
     result = store.join(JoinIntent("lone", 0, old, 1))
-    result.cohort.state.manifests[old.signature] = M  # type: ignore[assignment]
+    result.cohort.state.manifests[old.signature] = M
     decide_in(store, result.cohort, 0.0)
     new = member(0)
     new.launch = ""
@@ -259,7 +259,7 @@ def test_a_torchrun_worker_restarted_with_its_node_joins_the_next_round() -> Non
     old = member(0)
     old.elastic = True
     result = store.join(JoinIntent("elastic", 0, old, 1))
-    result.cohort.state.manifests[old.signature] = M  # type: ignore[assignment]
+    result.cohort.state.manifests[old.signature] = M
     decide_in(store, result.cohort, 0.0)
     assert result.cohort.verdict is not None
     new = member(0)

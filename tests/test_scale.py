@@ -108,7 +108,7 @@ def test_quiet_ranks_get_the_first_progress_event_only(coord: InProcessCoordinat
 
 
 def join_group(
-    addr: str, requests: list[pb.JoinRequest], uploads: dict[int, object] | None = None
+    addr: str, requests: list[pb.JoinRequest], uploads: dict[int, Manifest] | None = None
 ) -> tuple[list[pb.JoinEvent], grpc.RpcError | None]:
     """One JoinGroup call, answering manifest requests with the named member's manifest."""
     events: list[pb.JoinEvent] = []
@@ -211,7 +211,7 @@ def test_a_cancelled_group_frees_its_ranks(coord: InProcessCoordinator) -> None:
     channel.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        held = coord.call(lambda: len(coord.running.coordinator.find("c").state.members))
+        held = coord.call(lambda: len(coord.running.coordinator.find("c").state.members))  # type: ignore[union-attr]
         if held == 0:
             break
         time.sleep(0.05)

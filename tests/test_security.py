@@ -59,7 +59,8 @@ def join_once(
                 metadata=metadata,
             )
         elif kind == "verdict":
-            return event.verdict
+            verdict: pb.Verdict = event.verdict
+            return verdict
     raise AssertionError("no verdict")
 
 
@@ -368,7 +369,12 @@ def test_the_limits_no_other_test_reaches_refuse_naming_themselves() -> None:
             incarnation="x",
             signature=b"s" * 32,
             manifest=pb.Manifest(
-                format=1, entries=[pb.ManifestEntry(kind=1, name="n" * 1025, dtype="float32")]
+                format=1,
+                entries=[
+                    pb.ManifestEntry(
+                        kind=pb.ManifestEntry.KIND_PARAMETER, name="n" * 1025, dtype="float32"
+                    )
+                ],
             ),
         )
         from coordinator.contract.errors import LimitExceeded

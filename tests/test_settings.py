@@ -88,7 +88,7 @@ def test_a_bad_agent_setting_is_one_line_naming_it_in_the_error_file(
     assert "Traceback" not in run.stderr, run.stderr
     (line,) = run.stdout.splitlines()
     assert named in line
-    assert named in message["message"]  # type: ignore[index]
+    assert named in message["message"]
     assert "coordinator" not in line.split(":")[0], "not blamed on the coordinator"
 
 

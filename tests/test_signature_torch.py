@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -99,8 +101,8 @@ def test_same_model_same_signature_in_two_processes() -> None:
 
 
 class UnreadableShape(torch.Tensor):
-    @property  # type: ignore[misc]
-    def shape(self) -> torch.Size:
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
         raise RuntimeError("shape is data-dependent")
 
 
@@ -118,7 +120,9 @@ def test_wrappers_that_rename_members_are_asked() -> None:
             super().__init__()
             self.inner = nn.Linear(2, 2)
 
-        def named_parameters(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def,override]
+        def named_parameters(
+            self, *args: object, **kwargs: object
+        ) -> Iterator[tuple[str, nn.Parameter]]:
             for name, p in self.inner.named_parameters():
                 yield f"renamed.{name}", p
 
@@ -172,7 +176,8 @@ def test_dtensor_parameters_declare_their_pieces() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         model = nn.Module()

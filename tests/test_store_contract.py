@@ -66,7 +66,12 @@ def _etcd_opener(tmp: Path, request: pytest.FixtureRequest) -> VerdictOpener:
     server: EtcdServer = request.getfixturevalue("etcd")
     settings = EtcdSettings(server.endpoint, prefix=etcd_prefix())
     threads: list[EtcdThread] = []
-    request.addfinalizer(lambda: [t.close() for t in threads])
+
+    def close() -> None:
+        for t in threads:
+            t.close()
+
+    request.addfinalizer(close)
 
     def opener() -> VerdictStore:
         thread = EtcdThread(settings)

@@ -80,7 +80,7 @@ def test_the_agent_uploads_a_manifest_over_the_message_limit(small: InProcessCoo
 def test_a_join_over_the_message_limit_says_which_flag_to_raise(
     small: InProcessCoordinator,
 ) -> None:
-    from agent.client import CohortgateError
+    from agent.torchrun import CohortgateError
 
     decl = layout(0, tp=1)
     for i in range(20_000):
@@ -160,7 +160,8 @@ def _answer_badly_first(
         stub = pb_grpc.CohortServiceStub(channel)
         for event in stub.Join(request, timeout=30):
             if event.WhichOneof("event") == "verdict":
-                return event.verdict
+                verdict: pb.Verdict = event.verdict
+                return verdict
             if event.WhichOneof("event") != "manifest_request":
                 continue
             chunks = list(
