@@ -70,7 +70,7 @@ def test_a_config_field_that_differs_is_refused_naming_field_values_and_ranks() 
     agreed = {r: {"config": config(num_attention_heads=2 if r else 4, n_layer=2)} for r in range(4)}
     outcome, report, headline, _ = decide(state(agreed))
     assert outcome is Outcome.REFUSED
-    assert "config.num_attention_heads: 4 on ranks 0, 2 on ranks 1-3" in report, report
+    assert "config.num_attention_heads: 4 on rank 0, 2 on ranks 1-3" in report, report
     assert "n_layer" not in report
     assert headline.startswith("ranks disagree on the model config: config.num_attention_heads")
     assert "they disagree on the model config" in report.splitlines()[0]
@@ -134,7 +134,7 @@ def test_code_differences_warn_by_default_and_refuse_under_strict() -> None:
     outcome, _, _, warnings = decide(state(agreed))
     assert outcome is Outcome.FORMED
     assert warnings == (
-        'code: code.script: "train.py sha256:a" on ranks 0-2, "train.py sha256:b" on ranks 3',
+        'code: code.script: "train.py sha256:a" on ranks 0-2, "train.py sha256:b" on rank 3',
     )
     outcome, report, headline, _ = decide(state(agreed), code=Level.STRICT)
     assert outcome is Outcome.REFUSED
@@ -149,18 +149,18 @@ def test_facts_differing_in_one_key_are_refused_and_a_rank_without_facts_too() -
     }
     outcome, report, _, _ = decide(state({r: {"facts": facts[r]} for r in range(3)}))
     assert outcome is Outcome.REFUSED
-    assert "facts.resume_step: 1100 on ranks 0, 1200 on ranks 1-2" in report, report
+    assert "facts.resume_step: 1100 on rank 0, 1200 on ranks 1-2" in report, report
     assert "facts.data" not in report
     agreed: dict[int, dict[str, Fields]] = {r: {"facts": facts[1]} for r in range(2)}
     agreed[2] = {}
     outcome, report, _, _ = decide(state(agreed))
-    assert outcome is Outcome.REFUSED and "facts: not sent by ranks 2" in report, report
+    assert outcome is Outcome.REFUSED and "facts: not sent by rank 2" in report, report
 
 
 def test_a_partial_config_warns_and_a_check_set_off_says_nothing() -> None:
     agreed: dict[int, dict[str, Fields]] = {0: {"config": config(n_head=4)}, 1: {}}
     outcome, _, _, warnings = decide(state(agreed))
-    assert outcome is Outcome.FORMED and warnings == ("config: config: not sent by ranks 1",)
+    assert outcome is Outcome.FORMED and warnings == ("config: config: not sent by rank 1",)
     different = {r: {"config": config(n_head=4 + r)} for r in range(2)}
     assert decide(state(different), config=Level.OFF)[0] is Outcome.FORMED
 
@@ -168,7 +168,7 @@ def test_a_partial_config_warns_and_a_check_set_off_says_nothing() -> None:
 def test_many_differing_fields_are_capped_with_a_count() -> None:
     agreed = {r: {"config": config(**{f"f{i:02}": r for i in range(30)})} for r in range(2)}
     _, report, _, _ = decide(state(agreed))
-    assert "config.f19: 0 on ranks 0, 1 on ranks 1" in report
+    assert "config.f19: 0 on rank 0, 1 on rank 1" in report
     assert "config.f20" not in report and "and 10 more differing field(s)" in report
 
 

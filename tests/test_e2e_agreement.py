@@ -71,8 +71,8 @@ def test_gpt2_configs_that_change_the_shapes_are_refused_config_first(tmp_path: 
         causes = [e.get("cause") for e in log_events(log) if e.get("event") == "cohort refused"]
     assert causes == ["config", "config"], causes
     for run, field, odd in (
-        (layers, "num_hidden_layers", "3 on ranks 3"),
-        (width, "hidden_size", "128 on ranks 1"),
+        (layers, "num_hidden_layers", "3 on rank 3"),
+        (width, "hidden_size", "128 on rank 1"),
     ):
         assert run.returncode != 0
         refused_everywhere(run.stdout)

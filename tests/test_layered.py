@@ -151,7 +151,7 @@ def test_runtime_policies_strict_warn_and_per_job() -> None:
     runtime[6] = dict(runtime[6], torch_version="2.13.1")
     d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, OPTS)
     assert d.outcome is Outcome.FORMED
-    assert d.warnings == ("runtime.torch: torch_version: 2.13.0 on ranks 0-5,7, 2.13.1 on ranks 6",)
+    assert d.warnings == ("runtime.torch: torch_version: 2.13.0 on ranks 0-5,7, 2.13.1 on rank 6",)
     runtime[6] = dict(runtime[6], nccl_version="2.18.1")
     d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, OPTS)
     assert d.outcome is Outcome.REFUSED and d.cause is Cause.RUNTIME

@@ -187,7 +187,7 @@ def test_ranks_that_disagree_on_a_tensors_shape_are_named() -> None:
         wide.split(f"t{i}", (64, 64), i % 2, 2, 4)
     layouts[2] = Layout(layouts[2].sizes, layouts[2].position, pieces=wide.build().pieces)
     texts = findings(layouts)
-    assert texts == ["'t1' logical shape: [64, 64] on ranks 0-1,3, [64, 128] on ranks 2"], texts
+    assert texts == ["'t1' logical shape: [64, 64] on ranks 0-1,3, [64, 128] on rank 2"], texts
 
 
 def test_columns_round_trip_at_either_width() -> None:
@@ -288,7 +288,7 @@ def test_shape_conflicts_past_a_limit_are_counted_not_walked() -> None:
     wide.replicated("bias", (64,))
     layouts[1] = Layout(layouts[1].sizes, layouts[1].position, pieces=wide.build().pieces)
     texts = findings(layouts)
-    assert sum("logical shape: [64, 64] on ranks 0, [64, 128] on ranks 1" in t for t in texts) == (
+    assert sum("logical shape: [64, 64] on rank 0, [64, 128] on rank 1" in t for t in texts) == (
         CONFLICTS_NAMED
     ), texts
     assert texts[CONFLICTS_NAMED] == "ranks disagree on the logical shapes of 30 more tensors"

@@ -87,7 +87,7 @@ def test_a_config_key_present_on_some_ranks_only_is_named_with_absent() -> None:
     short = fields_of(config_fields({"hidden": 64}))
     lines, count = disagreements("config", {0: full, 1: full, 2: short})
     assert count == 1
-    assert lines == ["config.rope_theta: 10000.0 on ranks 0-1, (absent) on ranks 2"]
+    assert lines == ["config.rope_theta: 10000.0 on ranks 0-1, (absent) on rank 2"]
 
 
 def test_long_values_are_hashed_not_truncated() -> None:

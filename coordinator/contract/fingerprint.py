@@ -75,13 +75,14 @@ def disagreements(
     what: str, sent: Mapping[int, Fields | None], cap: int = 20
 ) -> tuple[list[str], int]:
     """Every field whose value is not the same on every rank, as report lines
-    ("config.num_attention_heads: 4 on ranks 0, 2 on ranks 1-3"; ranks that sent no such
+    ("config.num_attention_heads: 4 on rank 0, 2 on ranks 1-3"; ranks that sent no such
     fingerprint first), capped at `cap` lines, and how many fields differ in all."""
     lines = []
     absent = sorted(r for r, f in sent.items() if f is None)
     partial = bool(absent) and len(absent) < len(sent)
     if partial:
-        lines.append(f"{what}: not sent by ranks {ranges.compress_capped(absent, 8)}")
+        word = "rank" if len(absent) == 1 else "ranks"
+        lines.append(f"{what}: not sent by {word} {ranges.compress_capped(absent, 8)}")
     # Equal fingerprints are equal tuples: grouped as they are, no hashing of their text.
     groups: dict[Fields, list[int]] = {}
     for r, f in sent.items():

@@ -75,4 +75,10 @@ def by_value(values: Mapping[int, str]) -> str:
     for rank, value in values.items():
         groups.setdefault(value, []).append(rank)
     ordered = sorted(groups.items(), key=lambda kv: min(kv[1]))
-    return ", ".join(f"{v or '(none)'} on ranks {compress_capped(rs, 8)}" for v, rs in ordered)
+    return ", ".join(
+        f"{v or '(none)'} on {_ranks_word(rs)} {compress_capped(rs, 8)}" for v, rs in ordered
+    )
+
+
+def _ranks_word(ranks: list[int]) -> str:
+    return "rank" if len(ranks) == 1 else "ranks"
