@@ -54,7 +54,7 @@ def test_gpt2_configs_agree_differ_in_metadata_only_or_differ_in_n_head(tmp_path
     assert heads.returncode != 0
     refused_everywhere(heads.stdout)
     assert "ranks disagree on the model config" in heads.stdout, heads.stdout
-    assert "config.num_attention_heads: 4 on ranks 0-2, 2 on ranks 3" in heads.stdout
+    assert "config.num_attention_heads: 4 on ranks 0-2, 2 on rank 3" in heads.stdout
 
 
 def test_gpt2_configs_that_change_the_shapes_are_refused_config_first(tmp_path: Path) -> None:
@@ -111,11 +111,11 @@ def test_llama_rope_theta_and_a_fact_are_refused_by_name(tmp_path: Path) -> None
     assert rope.returncode != 0
     refused_everywhere(rope.stdout)
     assert re.search(
-        r"config\.\S*rope_theta: 10000\.0 on ranks 0-1,3, 500000\.0 on ranks 2", rope.stdout
+        r"config\.\S*rope_theta: 10000\.0 on ranks 0-1,3, 500000\.0 on rank 2", rope.stdout
     ), rope.stdout
     assert "weights" not in rope.stdout.split("What to do")[0].lower()
     assert fact.returncode != 0
-    assert "facts.resume_step: 1100 on ranks 0, 1200 on ranks 1-3" in fact.stdout, fact.stdout
+    assert "facts.resume_step: 1100 on rank 0, 1200 on ranks 1-3" in fact.stdout, fact.stdout
 
 
 def git(cwd: Path, *args: str) -> str:
