@@ -323,11 +323,13 @@ def launch_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def sandboxed_env(tmp: Path) -> dict[str, str]:
-    """This process's environment with HOME (and the XDG directories) under `tmp`: a
-    subprocess of a test writes nothing to the user's home directory."""
+    """This process's environment with HOME (and the XDG state, config and data directories)
+    under `tmp`: a subprocess of a test writes nothing to the user's home directory. The
+    cache stays the session's (tests/conftest.py puts it in a temporary directory too), so
+    that every launch does not start cold."""
     home = tmp / "home"
     home.mkdir(exist_ok=True)
-    kinds = ("STATE", "CACHE", "CONFIG", "DATA")
+    kinds = ("STATE", "CONFIG", "DATA")
     xdg = {f"XDG_{kind}_HOME": str(home / f".{kind.lower()}") for kind in kinds}
     return {**os.environ, "HOME": str(home), **xdg}
 
