@@ -160,6 +160,7 @@ def test_strict_stops_a_job_that_ends_before_its_stop_step(
     )
     # The first rank to stop takes the others down (torchrun ends them): some may not speak.
     assert told and {said for _, said in told} == {headline}, out
+    assert "Root Cause (first observed failure)" in out, out
     root = out[out.index("Root Cause (first observed failure)") :]
     assert "exitcode  : 5" in root and headline in root, root
 
