@@ -80,7 +80,7 @@ proto-check: venv
 mutation: venv
 	$(PY) -m pip install -q mutmut==3.8.1
 	rm -rf mutants
-	COHORTGATE_EXAMPLES_SCALE=0.1 $(VENV)/bin/mutmut run --max-children 2
+	PATH="$(TEST_PATH):$$PATH" COHORTGATE_EXAMPLES_SCALE=0.1 $(VENV)/bin/mutmut run --max-children 2
 	$(VENV)/bin/mutmut results --all true | awk '{print $$NF}' | sort | uniq -c
 
 bench: venv
