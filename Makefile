@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps demo test test-fast lint typecheck unit proto proto-check bench clean mutation
+.PHONY: venv system-deps demo test test-fast lint typecheck unit proto proto-check bench clean mutation docs
 
 venv: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt agent/_digest.c
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -e .
-	@$(PY) -c "import agent._digest" 2>/dev/null || echo "warning: the weight digest's C kernel" \
+	@$(PY) -c "import cohortgate.agent._digest" 2>/dev/null || echo "warning: the weight digest's C kernel" \
 	  "(agent/_digest.c) was not built (no C compiler or Python headers?): CPU digests use" \
 	  "torch ops, ~5x slower, and the suite's kernel test fails" >&2
 	touch $(STAMP)
@@ -61,6 +61,11 @@ test: venv system-deps proto-check lint typecheck
 test-fast: venv system-deps
 	PATH="$(TEST_PATH):$$PATH" $(PY) -m pytest -q -m "not e2e and not slow" --durations=10
 
+## docs: the documentation site (MkDocs, Material) into site/; --strict: a broken link, a
+## missing page or a flag the docs name that the code does not take fails it
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
@@ -80,6 +85,10 @@ proto-check: venv
 mutation: venv
 	$(PY) -m pip install -q mutmut==3.8.1
 	rm -rf mutants
+	# cohortgate/ links to agent/ and coordinator/: the links, not copies, so that
+	# `import cohortgate.agent...` loads the mutated files mutmut writes under mutants/
+	mkdir -p mutants/cohortgate && cp cohortgate/__init__.py cohortgate/py.typed mutants/cohortgate/
+	ln -s ../agent mutants/cohortgate/agent && ln -s ../coordinator mutants/cohortgate/coordinator
 	PATH="$(TEST_PATH):$$PATH" COHORTGATE_EXAMPLES_SCALE=0.1 $(VENV)/bin/mutmut run --max-children 2
 	$(VENV)/bin/mutmut results --all true | awk '{print $$NF}' | sort | uniq -c
 

@@ -2,7 +2,7 @@
 
 The extension is optional: where no C compiler (or no Python headers) is present the install
 still succeeds and CPU tensors are digested by torch ops instead (the same digests, ~5x
-slower; `agent.digest.KERNEL` says which).
+slower; `cohortgate.agent.digest.KERNEL` says which).
 """
 
 from setuptools import Extension, setup
@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "agent._digest",
+            "cohortgate.agent._digest",
             sources=["agent/_digest.c"],
             extra_compile_args=["-O3"],
             optional=True,

@@ -1,9 +1,9 @@
 """cohort.audit(model, step): is this rank still holding the same weights as its replicas?
 
-The training thread pays only for the on-device digest (agent.digest, the same function the
-start-up weights check uses); a background thread sends it to the coordinator and reads the
-answer. The coordinator never makes a rank wait: an unreachable coordinator is said once and
-training goes on; audits resume when it is back.
+The training thread pays only for the on-device digest (cohortgate.agent.digest, the same
+function the start-up weights check uses); a background thread sends it to the coordinator and
+reads the answer. The coordinator never makes a rank wait: an unreachable coordinator is said
+once and training goes on; audits resume when it is back.
 
 Per-tensor digests of the last KEPT_STEPS audited steps stay in memory (32 bytes a tensor),
 so that when the coordinator finds a difference and asks one rank per class for them, the
@@ -18,17 +18,17 @@ import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
-from coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
+from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
 
 if TYPE_CHECKING:
     import grpc
     import torch
 
-    from agent.torchrun import RankIdentity
-    from coordinator.api.v1 import cohort_pb2 as pb
-    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-    from coordinator.codec.channel import ClientSecurity
-    from coordinator.codec.leader import Upstream
+    from cohortgate.agent.torchrun import RankIdentity
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from cohortgate.coordinator.codec.channel import ClientSecurity
+    from cohortgate.coordinator.codec.leader import Upstream
 
 log = logging.getLogger("cohortgate.agent")
 
@@ -55,7 +55,7 @@ def audit_every() -> int:
     every call). The same on every rank, so the ranks audit the same steps."""
     import os
 
-    from agent.torchrun import AgentConfigError
+    from cohortgate.agent.torchrun import AgentConfigError
 
     text = os.environ.get("COHORTGATE_AUDIT_EVERY", "").strip() or "1"
     if not text.isdigit() or int(text) < 1:
@@ -80,7 +80,7 @@ def tensor_digests(
 ) -> list[tuple[str, bytes]]:
     """(name, digest) of every parameter and buffer in manifest order, then (with
     `optimizer`) of every tensor in its state, as `optimizer.state.<param>.<key>`."""
-    from agent.digest import tensor_digest, weight_digests
+    from cohortgate.agent.digest import tensor_digest, weight_digests
 
     out = weight_digests(model)
     if optimizer is not None:
@@ -148,7 +148,7 @@ class Auditor:
     def _stop(self, where: str, step: int, headline: str, report: str) -> None:
         """Said on stderr (the report once per node), written to torchrun's error file,
         raised: the same words on every rank."""
-        from agent.torchrun import say, write_error_file
+        from cohortgate.agent.torchrun import say, write_error_file
 
         self.raised = True
         ident = self.identity
@@ -210,7 +210,7 @@ class Auditor:
         said = f"[cohortgate] rank {self.identity.rank} on {self.identity.host}: {headline}"
         if self.identity.local_rank == 0:
             said += f"\n{report}"
-        from agent.torchrun import say
+        from cohortgate.agent.torchrun import say
 
         say(said)
 
@@ -221,7 +221,7 @@ class Auditor:
             self._thread.start()
 
     def _base(self, step: int) -> pb.RankAudit:
-        from coordinator.api.v1 import cohort_pb2 as pb
+        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
         ident = self.identity
         return pb.RankAudit(
@@ -280,7 +280,7 @@ class Auditor:
                     self._heard(answer)
 
     def _send(self, audits: list[pb.RankAudit]) -> pb.AuditReply:
-        from coordinator.api.v1 import cohort_pb2 as pb
+        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
         stub, metadata = self._connected()
         reply: pb.AuditReply = stub.Audit(
@@ -290,9 +290,9 @@ class Auditor:
 
     def _connected(self) -> tuple[pb_grpc.CohortServiceStub, Any]:
         """The stub for the coordinator tried now (COHORTGATE_ADDR may list replicas)."""
-        from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-        from coordinator.codec.channel import ClientSecurity
-        from coordinator.codec.leader import Upstream
+        from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+        from cohortgate.coordinator.codec.channel import ClientSecurity
+        from cohortgate.coordinator.codec.leader import Upstream
 
         if self._upstream is None:
             self._security = ClientSecurity.from_env()

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from agent.torchrun import CohortgateError, RankIdentity, say
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec import wire
-from coordinator.codec.channel import ClientSecurity
-from coordinator.codec.leader import Upstream
-from coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
-from coordinator.contract.layout import Layout
-from coordinator.contract.manifest import Manifest
-from coordinator.contract.settings import SettingError, env_seconds
+from cohortgate.agent.torchrun import CohortgateError, RankIdentity, say
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.codec.leader import Upstream
+from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
+from cohortgate.coordinator.contract.layout import Layout
+from cohortgate.coordinator.contract.manifest import Manifest
+from cohortgate.coordinator.contract.settings import SettingError, env_seconds
 
 logger = logging.getLogger("cohortgate.agent")
 
@@ -102,7 +102,8 @@ def join(
     agreed: Mapping[str, Mapping[str, str]] | None = None,
 ) -> pb.Verdict:
     """Join the cohort and block until its verdict (FORMED or REFUSED). `digests`: the
-    per-tensor weight digests in manifest order (agent.digest), to have values checked."""
+    per-tensor weight digests in manifest order (cohortgate.agent.digest), to have values
+    checked."""
     opts = options or JoinOptions()
     request = pb.JoinRequest(
         protocol_version=wire.PROTOCOL_VERSION,
@@ -365,8 +366,9 @@ def _answer_files(
     identity: RankIdentity,
     metadata: Sequence[tuple[str, str]],
 ) -> None:
-    """The local code files this rank's join fingerprinted (agent.identity.LOCAL_FILES)."""
-    from agent.identity import LOCAL_FILES
+    """The local code files this rank's join fingerprinted
+    (cohortgate.agent.identity.LOCAL_FILES)."""
+    from cohortgate.agent.identity import LOCAL_FILES
 
     upload = pb.UploadFilesRequest(
         job_id=join.job_id,

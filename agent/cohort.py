@@ -1,4 +1,4 @@
-"""agent.join() and agent.init_process_group(): the one line a training script adds."""
+"""cohortgate.join() and cohortgate.init_process_group(): the one line a training script adds."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from agent.client import JoinOptions
-from agent.client import join as client_join
-from agent.torchrun import (
+from cohortgate.agent.client import JoinOptions
+from cohortgate.agent.client import join as client_join
+from cohortgate.agent.torchrun import (
     CohortgateError,
     RankIdentity,
     free_port,
@@ -21,14 +21,14 @@ from agent.torchrun import (
     torchrun_store,
     write_error_file,
 )
-from coordinator.contract.layout import Layout, LayoutBuilder
-from coordinator.contract.settings import SettingError
+from cohortgate.coordinator.contract.layout import Layout, LayoutBuilder
+from cohortgate.coordinator.contract.settings import SettingError
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import Store  # type: ignore[attr-defined]
 
-    from coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ class Cohort:
         `every` (default: $COHORTGATE_AUDIT_EVERY, else 1): only steps that are a multiple
         of it are digested and sent; the others cost nothing. Call it every step either way:
         a strict stop is raised at the first call at or past the stop step."""
-        from agent.audit import Auditor
+        from cohortgate.agent.audit import Auditor
 
         if self.identity is None:
-            raise ValueError("this Cohort was not returned by agent.join(): it cannot audit")
+            raise ValueError("this Cohort was not returned by cohortgate.join(): it cannot audit")
         key = (self.cohort_id, self.rank)
         auditor = _AUDITORS.get(key)
         if auditor is None:
@@ -121,7 +121,7 @@ class Cohort:
         )
 
 
-_AUDITORS: dict[tuple[str, int], Any] = {}  # (cohort id, rank) -> agent.audit.Auditor
+_AUDITORS: dict[tuple[str, int], Any] = {}  # (cohort id, rank) -> cohortgate.agent.audit.Auditor
 
 
 class CohortRefused(RuntimeError):
@@ -158,7 +158,7 @@ def _close_at_exit() -> None:
     """A script that ended without cohort.close(): its audits still get their last word.
     Under the strict policy a divergence ends the process with EXIT_DIVERGED (an exception
     raised in an exit hook would leave the exit code 0), once the report is out."""
-    from agent.audit import EXIT_DIVERGED, ReplicasDiverged
+    from cohortgate.agent.audit import EXIT_DIVERGED, ReplicasDiverged
 
     for auditor in list(_AUDITORS.values()):
         try:
@@ -212,15 +212,15 @@ def join(
     - the training code: the launching script, its git commit and local changes, and the
       versions of numerics packages (torch, transformers, ... and `packages`);
     - `facts`: small values the job must share, e.g. {"tokenizer":
-      agent.tokenizer_fingerprint(tok), "data": "mix-v3", "resume_step": 1200}.
+      cohortgate.tokenizer_fingerprint(tok), "data": "mix-v3", "resume_step": 1200}.
 
     verify_values=True also sends a digest of the weights' values, computed on their own
-    device (agent.digest), so a coordinator with the `weights` check on refuses replicas
+    device (cohortgate.agent.digest), so a coordinator with the `weights` check on refuses replicas
     that start from different weights (a missed seed, a stale checkpoint); it costs one
     pass over the weights.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_RUN_ID, ...) and
-    COHORTGATE_ADDR. A sharded job passes `layout` (see agent.layout()): the coordinator
+    COHORTGATE_ADDR. A sharded job passes `layout` (see cohortgate.layout()): the coordinator
     then checks placement, shard coverage and one signature per replica group instead of
     one signature for all ranks. Returns the formed cohort, or prints the refusal report to stderr,
     writes it to TORCHELASTIC_ERROR_FILE and raises CohortRefused.
@@ -247,8 +247,8 @@ def _agreed(
     model: Any, config: Any, facts: Mapping[str, Any] | None, packages: Sequence[str]
 ) -> dict[str, dict[str, str]]:
     """The fingerprints this rank sends: config (when there is one), code, facts (when given)."""
-    from agent.identity import code_fields
-    from coordinator.contract.fingerprint import config_fields, flatten
+    from cohortgate.agent.identity import code_fields
+    from cohortgate.coordinator.contract.fingerprint import config_fields, flatten
 
     agreed = {"code": code_fields(packages)}
     config = config if config is not None else getattr(model, "config", None)
@@ -270,25 +270,25 @@ def _join(
     verify_values: bool,
     agreed: dict[str, dict[str, str]],
 ) -> Cohort:
-    from agent.client import runtime_facts
-    from agent.signature import manifest as build_manifest
-    from coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.agent.client import runtime_facts
+    from cohortgate.agent.signature import manifest as build_manifest
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
     identity = RankIdentity.from_env(job_id=job_id, addr=addr)
     manifest = build_manifest(model)
     digests = None
     if verify_values:
-        from agent.digest import weight_digests
+        from cohortgate.agent.digest import weight_digests
 
         digests = [d for _, d in weight_digests(model)]
     if isinstance(layout, LayoutBuilder):
-        from agent.dtensor import dtensor_pieces
+        from cohortgate.agent.dtensor import dtensor_pieces
 
         declared = {p.tensor for p in layout.pieces}
         layout.pieces.extend(dtensor_pieces(model, skip=declared))
     sharded = False
     if verify_values and layout is None:
-        from agent.dtensor import dtensor_pieces
+        from cohortgate.agent.dtensor import dtensor_pieces
 
         sharded = any(not p.replicated for p in dtensor_pieces(model))
     init_method = f"tcp://{identity.endpoint_host}:{free_port()}" if identity.rank == 0 else ""

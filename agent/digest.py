@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from coordinator.contract.digests import FORMAT, combine
-from coordinator.contract.manifest import ManifestError
+from cohortgate.coordinator.contract.digests import FORMAT, combine
+from cohortgate.coordinator.contract.manifest import ManifestError
 
 __all__ = ["FORMAT", "KERNEL", "chunk_sums", "combine", "tensor_digest", "weight_digests"]
 
@@ -56,7 +56,7 @@ PARALLEL_BYTES = 4 << 20
 
 _kernel: ModuleType | None
 try:  # the fused CPU kernel; absent where the package was installed without a C compiler
-    from agent import _digest as _kernel
+    from cohortgate.agent import _digest as _kernel
 except ImportError:  # pragma: no cover - depends on the install
     _kernel = None
 
@@ -179,15 +179,15 @@ def chunk_sums(tensor: torch.Tensor, *, kernel: bool | None = None) -> bytes:
     if data.device.type == "cpu" and (KERNEL if kernel is None else kernel):
         if _kernel is None:
             raise RuntimeError(
-                "the digest's C kernel (agent._digest) was not built: reinstall cohortgate "
-                "where a C compiler and the Python headers are present"
+                "the digest's C kernel (cohortgate.agent._digest) was not built: reinstall "
+                "cohortgate where a C compiler and the Python headers are present"
             )
         return _kernel_sums(_kernel, data.data_ptr(), nbytes)
     if data.device.type == "cpu" and kernel is None and not _WARNED:
         _WARNED.append(True)
         logging.getLogger("cohortgate.agent").warning(
             "weight digests of CPU tensors use torch ops, ~5x slower than the C kernel "
-            "(agent._digest), which this install lacks: reinstall cohortgate where a C "
+            "(cohortgate.agent._digest), which this install lacks: reinstall cohortgate where a C "
             "compiler and the Python headers are present"
         )
     flat = data.reshape(-1).view(torch.uint8)
@@ -234,7 +234,7 @@ def _undigestable(tensor: Any) -> str | None:
 def weight_digests(module: torch.nn.Module) -> list[tuple[str, bytes]]:
     """(name, digest) of every parameter and buffer in manifest order (aliases of a tied
     tensor digest like the tensor they alias; a DTensor by its local shard)."""
-    from agent.signature import walk
+    from cohortgate.agent.signature import walk
 
     out = []
     for name, tensor in walk(module):

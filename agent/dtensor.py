@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coordinator.contract.layout import ShardPiece
+from cohortgate.coordinator.contract.layout import ShardPiece
 
 if TYPE_CHECKING:
     import torch

@@ -13,8 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from coordinator.contract.digests import files_field
-from coordinator.contract.fingerprint import canonical
+from cohortgate.coordinator.contract.digests import files_field
+from cohortgate.coordinator.contract.fingerprint import canonical
 
 # Packages whose version changes numerics: always named when installed.
 NUMERICS_PACKAGES = ("torch", "transformers", "numpy", "triton", "flash-attn", "deepspeed")
@@ -123,7 +123,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     """'sha256:<hex>' of what makes a Hugging Face tokenizer encode text as it does: its
     class, vocabulary, added and special tokens, and (fast tokenizers) the whole pipeline
     (normalizer, pre-tokenizer, model with its merges, post-processor). Pass it as a fact:
-    `agent.join(model, facts={"tokenizer": tokenizer_fingerprint(tok)})`; the tokenizer
+    `cohortgate.join(model, facts={"tokenizer": tokenizer_fingerprint(tok)})`; the tokenizer
     itself is never sent."""
     parts: dict[str, Any] = {"class": type(tokenizer).__name__}
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING, Any
 
-from coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,9 @@ def manifest(module: torch.nn.Module) -> Manifest:
     import torch
 
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"agent.manifest() takes a torch.nn.Module, not {type(module).__name__}")
+        raise TypeError(
+            f"cohortgate.manifest() takes a torch.nn.Module, not {type(module).__name__}"
+        )
     # Building 100k small tuples would otherwise trigger full collections that scan every
     # module object; nothing built here forms a cycle, so the collector has nothing to find.
     gc_was_enabled = gc.isenabled()

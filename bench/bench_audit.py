@@ -43,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from coordinator.cli.spawn import spawn  # noqa: E402
+from cohortgate.coordinator.cli.spawn import spawn  # noqa: E402
 
 TRAIN = REPO / "examples" / "train.py"
 STEP_LINE = re.compile(r"step time ([\d.]+) ms, of which cohort.audit ([\d.]+) ms")
@@ -121,9 +121,9 @@ def _client(args: tuple[str, str, int, int, list[int], int]) -> float:
     addr, job, world, steps, ranks, node = args
     from grpc import aio
 
-    from coordinator.api.v1 import cohort_pb2 as pb
-    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-    from coordinator.contract.digests import DIGEST_FORMAT_VERSION
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION
 
     def audit(rank: int, step: int) -> pb.RankAudit:
         return pb.RankAudit(
@@ -189,10 +189,10 @@ def coordinator_side(world: int, node: int, steps: int, procs: int) -> dict[str,
 
 def decision_only(world: int, node: int, steps: int) -> dict[str, Any]:
     """service/audits.py alone: submit() per call, as the servicer calls it."""
-    from coordinator.decision.audit import RankAudit
-    from coordinator.decision.formation import FormationOptions
-    from coordinator.service.audits import Audits
-    from coordinator.service.observers import Observer
+    from cohortgate.coordinator.decision.audit import RankAudit
+    from cohortgate.coordinator.decision.formation import FormationOptions
+    from cohortgate.coordinator.service.audits import Audits
+    from cohortgate.coordinator.service.observers import Observer
 
     async def main() -> float:
         audits = Audits(FormationOptions(), Observer(), time.monotonic)

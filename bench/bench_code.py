@@ -4,7 +4,7 @@ digest, git's commit and status, and the local modules it imported from its work
 
 A fresh git work tree holds a script and --modules local modules (--lines lines each) in
 packages; a child process imports torch (so sys.modules is as large as a training job's),
-the agent and every module, then times agent.identity.code_fields() --repeats times.
+the agent and every module, then times cohortgate.agent.identity.code_fields() --repeats times.
 
 Usage: python bench/bench_code.py [--modules 20,200,1000] [--lines 300] [--repeats 20]
        [--json PATH]
@@ -25,8 +25,8 @@ CHILD = """
 import json, statistics, sys, time
 sys.path[:0] = [{repo!r}, {tree!r}]
 import torch
-import agent
-from agent import identity
+import cohortgate
+from cohortgate import identity
 for i in range({n}):
     __import__(f"pkg{{i // 50}}.mod{{i}}")
 sys.modules["__main__"].__file__ = {script!r}

@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.cli import logs
-from coordinator.service.core import Coordinator
-from coordinator.state.base import JoinIntent
+from cohortgate.coordinator.cli import logs
+from cohortgate.coordinator.service.core import Coordinator
+from cohortgate.coordinator.state.base import JoinIntent
 from tests.helpers import manifest_of, member_of, save_figures
 
 M = manifest_of()

@@ -26,13 +26,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.codec import wire
-from coordinator.contract.layout import Layout, PieceColumns
-from coordinator.decision.checks.base import Context
-from coordinator.decision.checks.coverage import CoverageCheck
-from coordinator.decision.coverage import Piece, check, check_arrays
-from coordinator.decision.verdict import Level
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.contract.layout import Layout, PieceColumns
+from cohortgate.coordinator.decision.checks.base import Context
+from cohortgate.coordinator.decision.checks.coverage import CoverageCheck
+from cohortgate.coordinator.decision.coverage import Piece, check, check_arrays
+from cohortgate.coordinator.decision.verdict import Level
 
 RANK_PIECES = 62_500  # under the per-rank limit (100,000)
 

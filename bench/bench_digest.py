@@ -44,7 +44,7 @@ def _paired(first: Any, second: Any, sync: Any, repeats: int) -> tuple[list[floa
 def run(device: str, kernel: bool, mib: int, tensors: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from agent.digest import tensor_digest
+    from cohortgate.agent.digest import tensor_digest
 
     gen = torch.Generator().manual_seed(0)
     per = mib * 2**20 // tensors // 2  # bfloat16 elements per tensor
@@ -99,13 +99,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=Path("bench/results/digest.json"))
     args = parser.parse_args()
-    from agent.digest import KERNEL
+    from cohortgate.agent.digest import KERNEL
 
     # The CPU twice: the fused C kernel (what a CPU tensor gets where it was built) and the
     # torch ops it falls back to (what every other device runs).
     paths = [("cpu", True), ("cpu", False)] if KERNEL else [("cpu", False)]
     if not KERNEL:
-        print("agent._digest (the C kernel) is not built here: CPU figures are torch ops'")
+        print(
+            "cohortgate.agent._digest (the C kernel) is not built here: CPU figures are torch ops'"
+        )
     if torch.cuda.is_available():
         paths.append(("cuda", False))
     rows = [run(d, k, args.mib, args.tensors, args.repeats) for d, k in paths]

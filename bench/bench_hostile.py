@@ -26,10 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from coordinator.api.v1 import cohort_pb2 as pb  # noqa: E402
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc  # noqa: E402
-from coordinator.cli.spawn import spawn  # noqa: E402
-from coordinator.codec import wire  # noqa: E402
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb  # noqa: E402
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc  # noqa: E402
+from cohortgate.coordinator.cli.spawn import spawn  # noqa: E402
+from cohortgate.coordinator.codec import wire  # noqa: E402
 from tests.helpers import join_request, manifest_of, run_cohort, save_figures  # noqa: E402
 
 UPLOAD = "/cohortgate.v1.CohortService/UploadManifest"

@@ -19,8 +19,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.cli.spawn import spawn
-from coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.cli.spawn import spawn
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from tests.helpers import join_request, run_rank, save_figures
 
 

@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from coordinator.cli.spawn import spawn
+from cohortgate.coordinator.cli.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests.helpers, here and in the client processes (spawned)
@@ -68,7 +68,7 @@ def free_port() -> int:
 
 
 def manifest_for(entries: int, variant: int) -> Any:
-    from coordinator.contract.manifest import Entry, Kind, Manifest
+    from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 
     items = [
         Entry(Kind.PARAMETER, f"layers.{i // 4}.w{i % 4}", "bfloat16", (1024, 1024 + variant), True)
@@ -99,7 +99,7 @@ class _Clients:
 
     async def member(self, stub: Any, ranks: list[int], relay: bool) -> None:
         """One rank's Join (no relay), or a relay's group of `ranks`, until the verdict."""
-        from coordinator.api.v1 import cohort_pb2 as pb
+        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
         reqs = {r: _join_request(self.job, r, self.world, self.manifest(r)) for r in ranks}
         stats = self.stats
@@ -117,7 +117,7 @@ class _Clients:
         await asyncio.gather(*self.uploads)
 
     def _events(self, stub: Any, reqs: dict[int, Any], relay: bool) -> AsyncIterator[Any]:
-        from coordinator.api.v1 import cohort_pb2 as pb
+        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
         if len(reqs) == 1 and not relay:
             (request,) = reqs.values()
@@ -132,7 +132,7 @@ class _Clients:
     async def _polled(self, stub: Any, reqs: dict[int, Any]) -> AsyncIterator[Any]:
         """As `cohortgate relay` joins upstream: JoinPoll until the verdict, the round
         pinned from progress, an ask's upload beside the next poll."""
-        from coordinator.api.v1 import cohort_pb2 as pb
+        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
         while True:
             group = pb.JoinGroupRequest(members=list(reqs.values()))
@@ -147,7 +147,7 @@ class _Clients:
                     q.round = event.progress.round
 
     async def _upload(self, stub: Any, reqs: dict[int, Any], event: Any) -> None:
-        from coordinator.codec import wire
+        from cohortgate.coordinator.codec import wire
 
         r = event.manifest_request.rank
         up = wire.manifest_answer(reqs[r], event.manifest_request.round, self.manifest(r))
@@ -171,7 +171,7 @@ def _client_proc(
 ) -> None:
     import grpc
 
-    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 
     clients = _Clients(job, world, entries, signatures, rpc)
 
@@ -340,8 +340,8 @@ async def _hop_cohort(addrs: list[str], job: str, size: int) -> float:
     verdict, answering manifest requests as the agent does."""
     import grpc
 
-    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-    from coordinator.codec import wire
+    from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from cohortgate.coordinator.codec import wire
 
     m = manifest_for(20, 0)
     channels = [grpc.aio.insecure_channel(a) for a in addrs]

@@ -63,7 +63,7 @@ def main() -> int:
 
     import torch
 
-    import agent
+    import cohortgate
 
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
@@ -77,7 +77,7 @@ def main() -> int:
                 pass
 
         def sign(model: object = model) -> None:
-            agent.manifest(model).signature()  # type: ignore[arg-type]
+            cohortgate.manifest(model).signature()  # type: ignore[arg-type]
 
         sign()
         bare()

@@ -27,10 +27,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.stress_restart import MANIFEST, one_join, request
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.cli.spawn import spawn
-from coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.cli.spawn import spawn
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 
 WIDE = Manifest.of(
     [

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from coordinator.cli.spawn import spawn  # noqa: E402
+from cohortgate.coordinator.cli.spawn import spawn  # noqa: E402
 
 TRAIN = REPO / "examples" / "train.py"
 

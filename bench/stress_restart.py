@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.cli.spawn import spawn
+from cohortgate.coordinator.cli.spawn import spawn
 from tests.restarts import Load, run_load
 
 

@@ -11,8 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coordinator.cli.spawn import spawn
-from coordinator.edge.config import runs_dir
+from cohortgate.coordinator.cli.spawn import spawn
+from cohortgate.coordinator.edge.config import runs_dir
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train.py"

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import agent
+import cohortgate
 
 
 def say(line: str, stream: TextIO = sys.stdout) -> None:
@@ -98,7 +98,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def train(args: argparse.Namespace, cohort: agent.Cohort, model: nn.Module) -> int:
+def train(args: argparse.Namespace, cohort: cohortgate.Cohort, model: nn.Module) -> int:
     """DDP steps; with --audit each step's weights are compared across the replicas."""
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -117,7 +117,7 @@ def train(args: argparse.Namespace, cohort: agent.Cohort, model: nn.Module) -> i
             audit_at = time.perf_counter()
             try:
                 cohort.audit(model, step, optimizer=opt if args.audit_optimizer else None)
-            except agent.ReplicasDiverged:
+            except cohortgate.ReplicasDiverged:
                 return 5  # said on stderr and in torchrun's error file (--policy audit=strict)
             auditing += time.perf_counter() - audit_at
         stepping += time.perf_counter() - started
@@ -127,7 +127,7 @@ def train(args: argparse.Namespace, cohort: agent.Cohort, model: nn.Module) -> i
     if args.audit and not args.no_close:
         try:  # the audits in flight compared: a divergence found as the job ends stops it
             cohort.close()
-        except agent.ReplicasDiverged:
+        except cohortgate.ReplicasDiverged:
             return 5
     if cohort.rank == 0 and args.steps:
         audit = (
@@ -155,12 +155,12 @@ def main() -> int:
 
     try:
         facts = {"data": "demo-mix-v3", "resume_step": 1100 if rank == args.resume_rank else 1200}
-        cohort = agent.init_process_group(
+        cohort = cohortgate.init_process_group(
             model, backend="gloo", verify_values=args.verify_values, facts=facts
         )
-    except agent.CohortRefused:
+    except cohortgate.CohortRefused:
         return 3  # the report is already on stderr and in torchrun's error file
-    except agent.CohortgateError as exc:  # a setting, an unreachable coordinator: one line
+    except cohortgate.CohortgateError as exc:  # a setting, an unreachable coordinator: one line
         say(f"rank {rank}: cohortgate: {exc}", sys.stderr)
         return 4
 

@@ -17,7 +17,7 @@ import sys
 
 import torch.distributed as dist
 
-import agent
+import cohortgate
 
 
 def build(kind: str, overrides: dict[str, object]):  # type: ignore[no-untyped-def]
@@ -64,8 +64,8 @@ def main() -> int:
             overrides[field] = parsed
     model = build(args.model, overrides)
     try:
-        cohort = agent.init_process_group(model, backend="gloo", facts=facts)
-    except agent.CohortRefused:
+        cohort = cohortgate.init_process_group(model, backend="gloo", facts=facts)
+    except cohortgate.CohortRefused:
         return 3
     dist.barrier()
     sys.stdout.write(f"rank {rank}/{cohort.world_size}: cohort {cohort.cohort_id} formed\n")

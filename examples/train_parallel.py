@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import agent
+import cohortgate
 
 D, H = 16, 64  # model width, MLP hidden size (split over tp)
 
@@ -64,7 +64,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def train(args: argparse.Namespace, cohort: agent.Cohort, model: MLPSlice, slice_id: int) -> int:
+def train(
+    args: argparse.Namespace, cohort: cohortgate.Cohort, model: MLPSlice, slice_id: int
+) -> int:
     """The same batches for every replica of a slice: its replicas take the same steps."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(slice_id)
@@ -79,7 +81,7 @@ def train(args: argparse.Namespace, cohort: agent.Cohort, model: MLPSlice, slice
         if args.audit:
             try:
                 cohort.audit(model, step)
-            except agent.ReplicasDiverged:
+            except cohortgate.ReplicasDiverged:
                 return 5
         time.sleep(args.step_sleep)
     return 0
@@ -91,7 +93,7 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     claimed = rank - 1 if rank == args.duplicate_rank else rank
     layers = sizes.get("pp", 1)
-    decl = agent.layout(claimed, config={"d_model": D, "ffn": H, "layers": layers}, **sizes)
+    decl = cohortgate.layout(claimed, config={"d_model": D, "ffn": H, "layers": layers}, **sizes)
     tp, pp = decl.position["tp"], decl.position["pp"]
     tp_size = sizes.get("tp", 1)
     rows = H // tp_size + (8 if rank == args.wrong_width_rank else 0)
@@ -104,8 +106,8 @@ def main() -> int:
     decl.replicated(f"{stage}.fc2.bias", (D,))  # row-parallel bias: every tp rank holds it
 
     try:
-        cohort = agent.init_process_group(model, backend="gloo", layout=decl)
-    except agent.CohortRefused:
+        cohort = cohortgate.init_process_group(model, backend="gloo", layout=decl)
+    except cohortgate.CohortRefused:
         return 3
     total = torch.tensor([1.0])
     dist.all_reduce(total)

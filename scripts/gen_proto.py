@@ -1,7 +1,8 @@
 """Generate the Python stubs from proto/ (or, with --check, fail if the committed ones differ).
 
-The proto tree mirrors the package tree: proto/coordinator/api/v1/cohort.proto generates
-coordinator/api/v1/cohort_pb2.py, so the generated imports resolve without rewriting.
+The proto tree mirrors the import names: proto/cohortgate/coordinator/api/v1/cohort.proto generates
+cohortgate.coordinator.api.v1.cohort_pb2 (the file coordinator/api/v1/cohort_pb2.py, the source
+folder pyproject.toml maps to cohortgate.coordinator), so the generated imports resolve as written.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def generate(out: Path) -> list[Path]:
         *[str(p.relative_to(PROTO)) for p in protos],
     ]
     subprocess.run(cmd, check=True, cwd=PROTO)
-    return sorted(p.relative_to(out) for p in out.rglob("*") if p.name.endswith(SUFFIXES))
+    # Generated under out/cohortgate/...: the repository folder of cohortgate.X is X/.
+    return sorted(
+        p.relative_to(out / "cohortgate") for p in out.rglob("*") if p.name.endswith(SUFFIXES)
+    )
 
 
 def main() -> int:
@@ -58,7 +62,8 @@ def main() -> int:
             stale += [
                 f
                 for f in files
-                if (REPO / f).exists() and not filecmp.cmp(Path(tmp) / f, REPO / f, shallow=False)
+                if (REPO / f).exists()
+                and not filecmp.cmp(Path(tmp) / "cohortgate" / f, REPO / f, shallow=False)
             ]
             stale += [f for f in committed if f not in files]
             if stale:
@@ -72,7 +77,7 @@ def main() -> int:
                 (REPO / f).unlink()
         for f in files:
             (REPO / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Path(tmp) / f, REPO / f)
+            shutil.copyfile(Path(tmp) / "cohortgate" / f, REPO / f)
             print(f"wrote {f}")
     return 0
 

@@ -33,7 +33,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # In-process coordinators log through structlog; keep only warnings in the test output
 # (tests that read logs run the coordinator as a subprocess with JSON logs).
-from coordinator.cli import logs  # noqa: E402
+from cohortgate.coordinator.cli import logs  # noqa: E402
 from tests.etcd import EtcdServer, etcd_server  # noqa: E402
 from tests.helpers import InProcessCoordinator  # noqa: E402
 

@@ -79,8 +79,8 @@ class EtcdServer:
     def wait_ready(self, timeout: float = 30.0) -> None:
         import grpc
 
-        from coordinator.etcd import etcd_pb2 as epb
-        from coordinator.etcd import etcd_pb2_grpc as epb_grpc
+        from cohortgate.coordinator.etcd import etcd_pb2 as epb
+        from cohortgate.coordinator.etcd import etcd_pb2_grpc as epb_grpc
 
         give_up = time.monotonic() + timeout
         target = f"127.0.0.1:{self.client_port}"

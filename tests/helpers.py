@@ -22,20 +22,20 @@ from typing import Any
 
 import grpc
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec import wire
-from coordinator.codec.channel import ClientSecurity
-from coordinator.contract.digests import DIGEST_FORMAT_VERSION
-from coordinator.contract.layout import Layout
-from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.cohort import Member
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.report import judge
-from coordinator.decision.verdict import Decision
-from coordinator.edge.config import ServeConfig
-from coordinator.edge.server import RunningServer, start
-from coordinator.state.base import CohortStore, LiveCohort
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION
+from cohortgate.coordinator.contract.layout import Layout
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.decision.cohort import Member
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.report import judge
+from cohortgate.coordinator.decision.verdict import Decision
+from cohortgate.coordinator.edge.config import ServeConfig
+from cohortgate.coordinator.edge.server import RunningServer, start
+from cohortgate.coordinator.state.base import CohortStore, LiveCohort
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -256,7 +256,7 @@ def coordinator_process(
     command = [
         sys.executable,
         "-m",
-        "coordinator.cli",
+        "cohortgate.coordinator.cli",
         "serve",
         "--listen",
         listen,
@@ -361,7 +361,7 @@ def launch(
     stdout and stderr together; end it with `finish` (or `kill_group`)."""
     command = {
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-        "cohortgate run": [sys.executable, "-m", "coordinator.cli", "run"],
+        "cohortgate run": [sys.executable, "-m", "cohortgate.coordinator.cli", "run"],
     }[via]
     return session([*command, *args], cwd=cwd, env=env)
 
@@ -440,8 +440,8 @@ def agent_rank(
 ) -> pb.Verdict:
     """One rank through the agent's real join client (retries, backoff), without torch.
     `backoff_max_s`: 0.5 s for quick tests; the agent's own default is 5 s."""
-    from agent.client import JoinOptions, join
-    from agent.torchrun import RankIdentity
+    from cohortgate.agent.client import JoinOptions, join
+    from cohortgate.agent.torchrun import RankIdentity
 
     identity = RankIdentity(
         job_id=job,

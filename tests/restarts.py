@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from tests.helpers import join_async, join_request
 
 MANIFEST = Manifest.of(

@@ -8,15 +8,15 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.contract.fingerprint import Fields, config_fields, fields_of, flatten
-from coordinator.contract.layout import layout
-from coordinator.contract.manifest import Manifest
-from coordinator.decision.checks import Level, Policies
-from coordinator.decision.cohort import CohortState, Member
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.report import judge
-from coordinator.decision.verdict import Cause, Outcome
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.contract.fingerprint import Fields, config_fields, fields_of, flatten
+from cohortgate.coordinator.contract.layout import layout
+from cohortgate.coordinator.contract.manifest import Manifest
+from cohortgate.coordinator.decision.checks import Level, Policies
+from cohortgate.coordinator.decision.cohort import CohortState, Member
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.report import judge
+from cohortgate.coordinator.decision.verdict import Cause, Outcome
 from tests.helpers import InProcessCoordinator, join_request, manifest_of
 
 OPTS = FormationOptions(join_deadline_s=60)
@@ -206,9 +206,9 @@ def test_a_config_of_ten_thousand_keys_is_refused_at_the_limit() -> None:
 
 
 def test_every_cause_reaches_the_wire_and_every_agreed_key_is_a_join_field() -> None:
-    from coordinator.api.v1 import cohort_pb2 as pb
-    from coordinator.contract.fingerprint import AGREED
-    from coordinator.edge.replies import _CAUSE_TO_PB
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.contract.fingerprint import AGREED
+    from cohortgate.coordinator.edge.replies import _CAUSE_TO_PB
 
     assert set(_CAUSE_TO_PB) == set(Cause)
     assert len(set(_CAUSE_TO_PB.values())) == len(Cause), "two causes share a wire value"
@@ -221,9 +221,9 @@ def test_every_cause_reaches_the_wire_and_every_agreed_key_is_a_join_field() -> 
 def test_every_refusal_is_worded_by_what_refused() -> None:
     """Each check and each of formation's gates owns its words; together they cover every
     cause, and none falls back on another's advice."""
-    from coordinator.decision.checks import CHECKS
-    from coordinator.decision.checks.gates import GATES
-    from coordinator.decision.report import WORDS
+    from cohortgate.coordinator.decision.checks import CHECKS
+    from cohortgate.coordinator.decision.checks.gates import GATES
+    from cohortgate.coordinator.decision.report import WORDS
 
     assert {w.cause for w in WORDS.values()} == set(Cause)
     assert set(WORDS) == {w.name for w in (*GATES, *CHECKS)}, "two share a name"
@@ -243,7 +243,7 @@ def test_the_tokenizer_fingerprint_catches_one_added_special_token() -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from agent import tokenizer_fingerprint
+    from cohortgate import tokenizer_fingerprint
 
     def tokenizer() -> PreTrainedTokenizerFast:
         vocab = {"<unk>": 0, "hello": 1, "world": 2}
@@ -260,7 +260,7 @@ def test_the_tokenizer_fingerprint_catches_one_added_special_token() -> None:
 
 # -- the code check's local modules ----------------------------------------------------------
 def _modules(files: dict[str, bytes]) -> Fields:
-    from coordinator.contract.digests import files_field
+    from cohortgate.coordinator.contract.digests import files_field
 
     fields = {"git.commit": '"abc123 (local changes)"', "modules": files_field(files.items())}
     return fields_of(fields)
@@ -298,7 +298,7 @@ def test_ranks_whose_local_modules_differ_are_asked_for_their_files_then_the_fil
 
 
 def _key(s: CohortState, rank: int) -> bytes:
-    from coordinator.decision.cohort import modules_key
+    from cohortgate.coordinator.decision.cohort import modules_key
 
     return modules_key(s.members[rank])
 
@@ -349,7 +349,7 @@ def test_a_bad_code_file_upload_is_refused_with_a_clear_error(
 ) -> None:
     import threading
 
-    from coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
     from tests.helpers import run_rank, wait_joined
 
     c = InProcessCoordinator(join_deadline=10)

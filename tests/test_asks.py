@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.contract.digests import DIGEST_BYTES, combine
-from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.checks import Policies
-from coordinator.decision.cohort import Member, UploadKind
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.verdict import Cause, Outcome
-from coordinator.state.asks import UploadRef
-from coordinator.state.base import InvalidUpload, JoinIntent
-from coordinator.state.memory import MemoryStore
+from cohortgate.coordinator.contract.digests import DIGEST_BYTES, combine
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.decision.checks import Policies
+from cohortgate.coordinator.decision.cohort import Member, UploadKind
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.verdict import Cause, Outcome
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.base import InvalidUpload, JoinIntent
+from cohortgate.coordinator.state.memory import MemoryStore
 from tests.helpers import decide_in
 
 MANIFEST = Manifest.of([Entry(Kind.PARAMETER, "w", "float32", (4, 4), True)])
@@ -84,7 +84,7 @@ def test_digests_that_do_not_combine_refuse_as_digests_not_as_a_manifest() -> No
 
 
 def test_a_rejoin_naming_an_abandoned_round_is_over_once_the_next_round_is_decided() -> None:
-    from coordinator.contract.errors import FailedPrecondition
+    from cohortgate.coordinator.contract.errors import FailedPrecondition
 
     store = MemoryStore(clock=lambda: 100.0)
 

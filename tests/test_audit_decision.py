@@ -7,14 +7,14 @@ import hashlib
 
 import pytest
 
-from coordinator.decision.audit import (
+from cohortgate.coordinator.decision.audit import (
     MARGIN_STEPS,
     MAX_OPEN_STEPS,
     TENSORS_WAIT_S,
     CohortAudits,
     RankAudit,
 )
-from coordinator.decision.verdict import Level
+from cohortgate.coordinator.decision.verdict import Level
 
 COHORT = "job/1/abcd1234"
 NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from tests.helpers import (
     InProcessCoordinator,
     manifest_of,
@@ -26,7 +26,7 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-CLI = [sys.executable, "-m", "coordinator.cli"]
+CLI = [sys.executable, "-m", "cohortgate.coordinator.cli"]
 
 
 @pytest.fixture
@@ -225,7 +225,7 @@ def test_audits_outlive_the_jobs_retention_and_are_still_compared() -> None:
 def test_the_optimizer_state_is_digested_with_the_weights() -> None:
     import torch
 
-    from agent.audit import tensor_digests
+    from cohortgate.agent.audit import tensor_digests
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

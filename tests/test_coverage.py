@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.decision.coverage import Piece, check, check_flat
+from cohortgate.coordinator.decision.coverage import Piece, check, check_flat
 
 
 def kinds(problems: list) -> list[str]:  # type: ignore[type-arg]

@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from coordinator.edge.config import ServeConfig
-from coordinator.edge.server import SERVICE_NAME
+from cohortgate.coordinator.edge.config import ServeConfig
+from cohortgate.coordinator.edge.server import SERVICE_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,20 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import agent
-from coordinator.contract.diff import LIST_CAP
-from coordinator.contract.manifest import Entry, Kind, Manifest
+import cohortgate
+from cohortgate.coordinator.contract.diff import LIST_CAP
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from tests.models import Block, tiny
 
 
 def test_identical_models_give_an_empty_diff() -> None:
-    d = agent.diff(agent.manifest(tiny()), agent.manifest(tiny()))
+    d = cohortgate.diff(cohortgate.manifest(tiny()), cohortgate.manifest(tiny()))
     assert not d
     assert str(d) == "manifests are identical"
 
 
 def test_one_layer_hidden_size_changed() -> None:
-    d = agent.diff(agent.manifest(tiny()), agent.manifest(tiny(hidden_overrides={1: 48})))
+    d = cohortgate.diff(
+        cohortgate.manifest(tiny()), cohortgate.manifest(tiny(hidden_overrides={1: 48}))
+    )
     assert d
     text = str(d)
     assert text.splitlines()[0] == (
@@ -34,7 +36,7 @@ def test_one_layer_hidden_size_changed() -> None:
 
 
 def test_one_layer_extra() -> None:
-    d = agent.diff(agent.manifest(tiny(layers=3)), agent.manifest(tiny(layers=4)))
+    d = cohortgate.diff(cohortgate.manifest(tiny(layers=3)), cohortgate.manifest(tiny(layers=4)))
     assert [e.name for e in d.extra] == [
         f"layers.3.{m}.{p}"
         for m in ("attn", "proj", "norm", "fc1", "fc2")
@@ -50,7 +52,7 @@ def test_one_layer_extra() -> None:
 def test_one_block_in_bfloat16() -> None:
     other = tiny()
     other.layers[2].to(torch.bfloat16)
-    d = agent.diff(agent.manifest(tiny()), agent.manifest(other))
+    d = cohortgate.diff(cohortgate.manifest(tiny()), cohortgate.manifest(other))
     assert {c.name for c in d.dtype_changed} == {
         f"layers.2.{m}.{p}"
         for m in ("attn", "proj", "norm", "fc1", "fc2")
@@ -68,7 +70,7 @@ def test_two_same_shaped_layers_swapped() -> None:
             for name in order:
                 self.add_module(name, nn.Linear(8, 8))
 
-    d = agent.diff(agent.manifest(Pair(False)), agent.manifest(Pair(True)))
+    d = cohortgate.diff(cohortgate.manifest(Pair(False)), cohortgate.manifest(Pair(True)))
     assert d
     assert not d.missing and not d.extra and not d.shape_changed
     (order,) = d.order_changed
@@ -81,14 +83,14 @@ def test_two_same_shaped_layers_swapped() -> None:
 
 
 def test_embeddings_tied_vs_untied() -> None:
-    d = agent.diff(agent.manifest(tiny(tie=True)), agent.manifest(tiny(tie=False)))
+    d = cohortgate.diff(cohortgate.manifest(tiny(tie=True)), cohortgate.manifest(tiny(tie=False)))
     (change,) = d.tying_changed
     assert change.name == "head.weight"
     assert "'head.weight': float32[100, 16] (tied to 'embed.weight') -> float32[100, 16]" in str(d)
 
 
 def test_batchnorm_vs_layernorm_buffers_appear() -> None:
-    d = agent.diff(agent.manifest(tiny()), agent.manifest(tiny(norm="batch")))
+    d = cohortgate.diff(cohortgate.manifest(tiny()), cohortgate.manifest(tiny(norm="batch")))
     extra = [e.name for e in d.extra]
     assert "layers.0.norm.running_mean" in extra
     assert "layers.2.norm.num_batches_tracked" in extra
@@ -103,7 +105,7 @@ def test_kind_and_requires_grad_changes() -> None:
     other = nn.Module()
     other.w = nn.Parameter(torch.ones(2), requires_grad=False)
     other.register_buffer("scale", torch.ones(4))
-    d = agent.diff(agent.manifest(ref), agent.manifest(other))
+    d = cohortgate.diff(cohortgate.manifest(ref), cohortgate.manifest(other))
     assert [c.name for c in d.kind_changed] == ["scale"]
     assert [c.name for c in d.requires_grad_changed] == ["w"]
     assert "kind changed (parameter vs buffer): 1" in str(d)
@@ -112,7 +114,7 @@ def test_kind_and_requires_grad_changes() -> None:
 def test_lists_are_capped() -> None:
     ref = Manifest.of(Entry(Kind.PARAMETER, f"p{i}", "float32", (2,), True) for i in range(50))
     other = Manifest.of(Entry(Kind.PARAMETER, f"p{i}", "float16", (2,), True) for i in range(50))
-    d = agent.diff(ref, other)
+    d = cohortgate.diff(ref, other)
     text = str(d)
     assert len(d.dtype_changed) == 50
     assert f"and {50 - LIST_CAP} more" in text
@@ -122,7 +124,7 @@ def test_lists_are_capped() -> None:
 def test_to_dict_is_json_ready() -> None:
     import json
 
-    d = agent.diff(agent.manifest(Block(4, 8)), agent.manifest(Block(4, 9)))
+    d = cohortgate.diff(cohortgate.manifest(Block(4, 8)), cohortgate.manifest(Block(4, 9)))
     data = json.loads(json.dumps(d.to_dict()))
     assert data["first_difference"]["position"] == 6
     assert [c["name"] for c in data["shape_changed"]] == ["fc1.weight", "fc1.bias", "fc2.weight"]

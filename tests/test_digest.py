@@ -1,5 +1,5 @@
-"""The weight digest (agent.digest): content digests computed where the tensors live, with
-the C kernel and with torch ops, against the definition."""
+"""The weight digest (cohortgate.agent.digest): content digests computed where the tensors live,
+with the C kernel and with torch ops, against the definition."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.digest import (
+from cohortgate.agent.digest import (
     CHUNK,
     KERNEL,
     PARALLEL_BYTES,
@@ -20,7 +20,7 @@ from agent.digest import (
     tensor_digest,
     weight_digests,
 )
-from coordinator.contract.manifest import ManifestError
+from cohortgate.coordinator.contract.manifest import ManifestError
 
 FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 
@@ -145,7 +145,7 @@ def test_views_digest_their_values_and_meta_tensors_are_refused() -> None:
 
 
 def sums_of(t: torch.Tensor, kernel: bool | None = None) -> np.ndarray:
-    from agent.digest import LANES
+    from cohortgate.agent.digest import LANES
 
     return np.frombuffer(chunk_sums(t, kernel=kernel), "<u8").reshape(-1, LANES)
 
@@ -153,7 +153,7 @@ def sums_of(t: torch.Tensor, kernel: bool | None = None) -> np.ndarray:
 def reference_sums(t: torch.Tensor) -> np.ndarray:
     """The chunk sums by the algorithm's definition, in numpy (wrapping uint64 arithmetic):
     an independent check of what every device and both CPU paths must compute."""
-    from agent.digest import LANES, _key_bytes
+    from cohortgate.agent.digest import LANES, _key_bytes
 
     raw = np.frombuffer(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), np.uint8)
     padded = np.zeros(-(-raw.size // (4 * CHUNK)) * 4 * CHUNK, np.uint8)
@@ -183,7 +183,7 @@ def test_digests_agree_with_the_definition_on_every_device(device: str, kernel: 
 def test_the_cpu_kernel_is_built_and_splits_big_tensors_across_threads() -> None:
     # The dev install (make venv) builds agent/_digest.c; without it CPU digests fall back to
     # torch ops (same sums, ~5x slower) and this is what says so.
-    assert KERNEL, "agent._digest was not built: pip install -e . needs a C compiler"
+    assert KERNEL, "cohortgate.agent._digest was not built: pip install -e . needs a C compiler"
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -205,11 +205,11 @@ def test_the_cpu_kernel_is_built_and_splits_big_tensors_across_threads() -> None
 
 
 def test_without_the_kernel_cpu_digests_are_the_same_and_say_so_once() -> None:
-    # A process where agent._digest cannot be imported, as on an install without a compiler.
+    # A process where cohortgate.agent._digest cannot be imported (an install without a compiler).
     script = (
-        "import sys; sys.modules['agent._digest'] = None\n"
+        "import sys; sys.modules['cohortgate.agent._digest'] = None\n"
         "import torch\n"
-        "from agent.digest import KERNEL, tensor_digest\n"
+        "from cohortgate.agent.digest import KERNEL, tensor_digest\n"
         "assert not KERNEL\n"
         "t = torch.arange(10000, dtype=torch.float32)\n"
         "print(tensor_digest('w', t).hex(), tensor_digest('w', t).hex())\n"
@@ -223,8 +223,8 @@ def test_without_the_kernel_cpu_digests_are_the_same_and_say_so_once() -> None:
 
 
 def test_the_kernel_rejects_buffers_of_the_wrong_size() -> None:
-    from agent import _digest
-    from agent.digest import _key_bytes
+    from cohortgate.agent import _digest
+    from cohortgate.agent.digest import _key_bytes
 
     t = torch.arange(8, dtype=torch.uint8)
     at, keys = t.data_ptr(), _key_bytes()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.digest import tensor_digest
+from cohortgate.agent.digest import tensor_digest
 from tests.helpers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -26,8 +26,8 @@ WORKER = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    import agent
-    from agent.digest import weight_digests
+    import cohortgate
+    from cohortgate.agent.digest import weight_digests
 
     rank = int(sys.argv[1])
     dist.init_process_group(
@@ -41,7 +41,7 @@ WORKER = textwrap.dedent(
     net.b = nn.Parameter(distribute_tensor(b, mesh, [Replicate()]))
     pieces = {
         p.tensor: [list(p.offset), list(p.length), p.replicated]
-        for p in agent.dtensor_pieces(net)
+        for p in cohortgate.dtensor_pieces(net)
     }
     digests = {name: d.hex() for name, d in weight_digests(net)}
     dist.destroy_process_group()

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from tests.helpers import (
     REPO,
     TRAIN,

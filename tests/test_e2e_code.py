@@ -26,13 +26,13 @@ import sys
 import torch
 from torch import nn
 
-import agent
+import cohortgate
 import helper  # a local module of this work tree
 
 model = nn.Linear(4, 4)
 try:
-    cohort = agent.init_process_group(model, backend="gloo")
-except agent.CohortRefused:
+    cohort = cohortgate.init_process_group(model, backend="gloo")
+except cohortgate.CohortRefused:
     sys.exit(3)
 torch.distributed.destroy_process_group()
 print(f"rank {cohort.rank}: formed with lr {helper.lr()}", flush=True)
@@ -144,8 +144,8 @@ def test_local_files_are_the_tracked_modules_of_the_work_tree_never_a_venv(
         f"{str(tree / '.venv/lib/python3/site-packages')!r}, {str(tree / 'env2/lib')!r}]\n"
         "import pkg.mod, untracked, vendored, inside, main\n"
         "from pathlib import Path\n"
-        "from agent.identity import local_files\n"
-        "from coordinator.contract.digests import files_field\n"
+        "from cohortgate.agent.identity import local_files\n"
+        "from cohortgate.coordinator.contract.digests import files_field\n"
         f"files = local_files(Path({str(tree)!r}), exclude=Path({str(tree / 'main.py')!r}))\n"
         "print([p for p, _ in files]); print(files_field(files))\n"
     )

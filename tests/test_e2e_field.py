@@ -140,7 +140,16 @@ def test_a_signal_to_cohortgate_run_ends_the_whole_tree_and_cleans_up(
 
 def _joined(addr: str, job: str) -> int:
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "status", job, "--json", "--addr", addr],
+        [
+            sys.executable,
+            "-m",
+            "cohortgate.coordinator.cli",
+            "status",
+            job,
+            "--json",
+            "--addr",
+            addr,
+        ],
         capture_output=True,
         text=True,
         timeout=30,

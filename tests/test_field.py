@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.cli.launch import LaunchError, job_id, parse_torchrun
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.cli.launch import LaunchError, job_id, parse_torchrun
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -41,7 +41,7 @@ JOIN_DEADLINE = 60.0  # the conftest `coord` fixture's deadline
 
 def cli(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        [sys.executable, "-m", "cohortgate.coordinator.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -70,7 +70,7 @@ def test_torchruns_option_table_matches_torch() -> None:
     table must be torch's own: a torch upgrade that adds or drops one fails here."""
     from torch.distributed.run import get_args_parser
 
-    from coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
+    from cohortgate.coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
 
     theirs = {
         a.dest: (tuple(a.option_strings), a.nargs == 0)
@@ -147,7 +147,7 @@ def test_a_second_serve_or_relay_on_a_held_address_fails_in_one_line(tmp_path: P
             assert (
                 f"{flag} 127.0.0.1:{held}: the address is already in use, held by pid" in lines[0]
             )
-            assert "coordinator.cli serve" in lines[0]  # it can tell who holds it
+            assert "cohortgate.coordinator.cli serve" in lines[0]  # it can tell who holds it
         assert _health(addr) == 1  # the first one still serves
 
 
@@ -167,12 +167,12 @@ def test_start_up_errors_are_one_line_naming_the_address() -> None:
 # -- 3. an unreachable or malformed coordinator address ----------------------------------
 AGENT = textwrap.dedent(
     """
-    import sys, time, torch, agent
+    import sys, time, torch, cohortgate
     model = torch.nn.Linear(2, 2)
     print("joining", flush=True)
     started = time.monotonic()
     try:
-        agent.join(model, timeout_s=float(sys.argv[1]))
+        cohortgate.join(model, timeout_s=float(sys.argv[1]))
     except Exception as exc:
         print(f"failed after {time.monotonic() - started:.2f}s: {type(exc).__name__}: {exc}")
     """
@@ -362,13 +362,16 @@ def test_status_shows_the_reason_not_its_dedupe_key(coord: InProcessCoordinator)
     assert "#" not in done.stdout
 
 
-# -- 11. the README's commands ---------------------------------------------------------------
+# -- 11. the README's and the docs' commands ----------------------------------------------------
 def _readme_commands() -> list[str]:
-    """Shell lines of the README's sh/bash code blocks, and its inline `cohortgate ...` spans."""
+    """Shell lines of the sh/bash code blocks of the README and every docs page (continued
+    lines joined), and their inline `cohortgate ...` spans."""
     import re
 
     lines, fence = [], None
-    for line in (REPO / "README.md").read_text().splitlines():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    text = "\n".join(page.read_text().replace("\\\n", " ") for page in pages)
+    for line in text.splitlines():
         if line.startswith("```"):
             fence = None if fence is not None else line[3:].strip()
             continue
@@ -380,12 +383,12 @@ def _readme_commands() -> list[str]:
 
 
 @pytest.mark.slow
-def test_every_flag_the_readme_names_exists() -> None:
-    """Each `cohortgate CMD ...` and `examples/*.py ...` the README shows: every --flag it
+def test_every_flag_the_readme_and_the_docs_name_exists() -> None:
+    """Each `cohortgate CMD ...` and `examples/*.py ...` the README and the docs show: every --flag it
     uses is in that command's --help (for run: cohortgate run's, or torchrun's options)."""
     import re
 
-    from coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
+    from cohortgate.coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
 
     torchrun = {o for t in (TORCHRUN_FLAGS, TORCHRUN_VALUES) for opts in t.values() for o in opts}
     helps: dict[str, str] = {}
@@ -395,7 +398,7 @@ def test_every_flag_the_readme_names_exists() -> None:
             cmd = (
                 [str(REPO / "examples" / f"{key[9:]}.py"), "--help"]
                 if key.startswith("examples/")
-                else ["-m", "coordinator.cli", *key.split()[1:], "--help"]
+                else ["-m", "cohortgate.coordinator.cli", *key.split()[1:], "--help"]
             )
             done = subprocess.run(
                 [sys.executable, *cmd], capture_output=True, text=True, timeout=60
@@ -433,7 +436,7 @@ def test_every_flag_the_readme_names_exists() -> None:
 def test_every_help_line_states_its_default() -> None:
     import argparse
 
-    from coordinator.cli.main import build_parser
+    from cohortgate.coordinator.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     missing = [

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.client import JoinOptions
-from agent.torchrun import CohortgateError
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.contract.errors import FailedPrecondition
-from coordinator.decision.verdict import Outcome
-from coordinator.state.base import JoinIntent
-from coordinator.state.memory import ROUNDS_KEPT, MemoryStore
+from cohortgate.agent.client import JoinOptions
+from cohortgate.agent.torchrun import CohortgateError
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.contract.errors import FailedPrecondition
+from cohortgate.coordinator.decision.verdict import Outcome
+from cohortgate.coordinator.state.base import JoinIntent
+from cohortgate.coordinator.state.memory import ROUNDS_KEPT, MemoryStore
 from tests.helpers import (
     InProcessCoordinator,
     agent_rank,

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.contract import ranges
-from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.classes import signature_classes
-from coordinator.decision.cohort import CohortState, Member, UploadKind
-from coordinator.decision.formation import FormationOptions, decide
-from coordinator.decision.verdict import Cause, Outcome
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.decision.classes import signature_classes
+from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind
+from cohortgate.coordinator.decision.formation import FormationOptions, decide
+from cohortgate.coordinator.decision.verdict import Cause, Outcome
 
 SIG_A = b"a" * 32
 SIG_B = b"b" * 32

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec import wire
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec import wire
 from tests.helpers import InProcessCoordinator, manifest_of, run_cohort
 
 # What the coordinator may answer (plus the client's own CANCELLED, and DEADLINE_EXCEEDED

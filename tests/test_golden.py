@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agent.digest import tensor_digest
-from agent.signature import manifest
-from coordinator.contract.digests import combine
-from coordinator.contract.fingerprint import config_fields, digest, fields_of
-from coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.agent.digest import tensor_digest
+from cohortgate.agent.signature import manifest
+from cohortgate.coordinator.contract.digests import combine
+from cohortgate.coordinator.contract.fingerprint import config_fields, digest, fields_of
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 
 
 def test_a_manifest_signature_is_pinned() -> None:

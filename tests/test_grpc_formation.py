@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec import wire
-from coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from tests.helpers import (
     InProcessCoordinator,
     RankResult,

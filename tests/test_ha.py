@@ -18,15 +18,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec.leader import LEADER_KEY, Upstream
-from coordinator.decision.verdict import Outcome
-from coordinator.etcd import etcd_pb2 as epb
-from coordinator.etcd.client import EtcdError, EtcdSettings, EtcdThread, prefix_end
-from coordinator.etcd.leader import Leadership
-from coordinator.state.base import VerdictRow
-from coordinator.state.etcd_history import EtcdHistory
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.leader import LEADER_KEY, Upstream
+from cohortgate.coordinator.decision.verdict import Outcome
+from cohortgate.coordinator.etcd import etcd_pb2 as epb
+from cohortgate.coordinator.etcd.client import EtcdError, EtcdSettings, EtcdThread, prefix_end
+from cohortgate.coordinator.etcd.leader import Leadership
+from cohortgate.coordinator.state.base import VerdictRow
+from cohortgate.coordinator.state.etcd_history import EtcdHistory
 from tests.etcd import EtcdServer, etcd_server
 from tests.etcd import prefix as etcd_prefix
 from tests.ha import metric, replicas, roles, stamp, status_json, wait_leader
@@ -312,7 +312,7 @@ def test_explain_and_status_read_whichever_replica_answers_and_etcd_itself(
         for t in threads:
             t.join(40)
         assert all(v is not None and v.outcome == pb.Verdict.OUTCOME_REFUSED for v in verdicts)
-        cli = [sys.executable, "-m", "coordinator.cli"]
+        cli = [sys.executable, "-m", "cohortgate.coordinator.cli"]
 
         def run(*args: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
@@ -465,8 +465,8 @@ def test_rank_0_says_no_replica_leads_while_a_standby_answers_whatever_the_other
     """After a kill the dead leader's address refuses connections while the standby answers
     that it stands by: rank 0 says no replica leads (the standby's words), not that
     nothing listens."""
-    from agent.client import JoinOptions, _Reachability
-    from agent.torchrun import RankIdentity
+    from cohortgate.agent.client import JoinOptions, _Reachability
+    from cohortgate.agent.torchrun import RankIdentity
 
     identity = RankIdentity(
         job_id="j", rank=0, world_size=2, local_rank=0, host="h", pid=1, incarnation="i",
@@ -491,7 +491,7 @@ def test_rank_0_says_no_replica_leads_while_a_standby_answers_whatever_the_other
 
 
 def test_a_standby_logs_its_refusals_once_per_job_and_interval() -> None:
-    from coordinator.edge.servicer import QuietRefusals
+    from cohortgate.coordinator.edge.servicer import QuietRefusals
 
     now = [0.0]
     quiet = QuietRefusals(lambda: now[0])

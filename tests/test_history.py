@@ -11,15 +11,20 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.contract import ranges
-from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.cohort import CohortState, Member
-from coordinator.decision.formation import FormationOptions, decide
-from coordinator.decision.report import build_verdict
-from coordinator.edge.replies import verdict_to_pb
-from coordinator.state.base import VerdictRow
-from coordinator.state.history import History
-from coordinator.state.records import members_from_text, members_to_text, received, verdict_to_json
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.decision.cohort import CohortState, Member
+from cohortgate.coordinator.decision.formation import FormationOptions, decide
+from cohortgate.coordinator.decision.report import build_verdict
+from cohortgate.coordinator.edge.replies import verdict_to_pb
+from cohortgate.coordinator.state.base import VerdictRow
+from cohortgate.coordinator.state.history import History
+from cohortgate.coordinator.state.records import (
+    members_from_text,
+    members_to_text,
+    received,
+    verdict_to_json,
+)
 
 
 def _manifest(names: range, dtype: str) -> Manifest:

@@ -18,10 +18,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec import wire
-from coordinator.state.history import HistoryError
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.state.history import HistoryError
 from tests.helpers import (
     InProcessCoordinator,
     coordinator_process,
@@ -151,7 +151,9 @@ def _namespaced(before: str, after: str) -> object:
     def wrap(command: list[str], port_file: Path) -> list[str]:
         directory = port_file.parent / "histfs"
         directory.mkdir()
-        create = f"{sys.executable} -c 'import sys; from coordinator.state.history import "
+        create = (
+            f"{sys.executable} -c 'import sys; from cohortgate.coordinator.state.history import "
+        )
         create += 'History; History(sys.argv[1]).close()\' "$D/history.sqlite"'
         script = (
             f'set -e; mount -t tmpfs -o size=1m tmpfs "$D"; {create}; {before}; "$@" & pid=$!; '
@@ -202,7 +204,7 @@ def test_a_corrupt_history_file_stops_the_start_in_one_line(tmp_path: Path) -> N
     bad = tmp_path / "history.sqlite"
     bad.write_bytes(b"this is not a database, it is a text file" * 100)
     with pytest.raises(HistoryError) as err:
-        from coordinator.state.history import History
+        from cohortgate.coordinator.state.history import History
 
         History(bad)
     assert str(err.value).startswith(f"--history {bad}: cannot use the verdict history")

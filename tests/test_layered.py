@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.contract.layout import (
+from cohortgate.coordinator.contract.layout import (
     MEGATRON_ORDER,
     Layout,
     LayoutBuilder,
@@ -15,11 +15,11 @@ from coordinator.contract.layout import (
     layout,
     position_from_rank,
 )
-from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.checks import Policies
-from coordinator.decision.cohort import CohortState, Member
-from coordinator.decision.formation import FormationOptions, decide
-from coordinator.decision.verdict import Cause, Outcome
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.decision.checks import Policies
+from cohortgate.coordinator.decision.cohort import CohortState, Member
+from cohortgate.coordinator.decision.formation import FormationOptions, decide
+from cohortgate.coordinator.decision.verdict import Cause, Outcome
 
 
 def manifest(rows: int) -> Manifest:
@@ -228,8 +228,8 @@ def test_weights_are_compared_within_each_replica_group_only() -> None:
 
 
 def test_every_registered_check_has_a_policy_and_a_help_line() -> None:
-    from coordinator.decision.checks import CHECKS, Level, policy_help
-    from coordinator.edge.config import ServeConfig
+    from cohortgate.coordinator.decision.checks import CHECKS, Level, policy_help
+    from cohortgate.coordinator.edge.config import ServeConfig
 
     described = ServeConfig.model_fields["policy"].description or ""
     for check in CHECKS:

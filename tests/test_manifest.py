@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coordinator.contract.manifest import (
+from cohortgate.coordinator.contract.manifest import (
     MANIFEST_FORMAT_VERSION,
     Entry,
     Kind,
@@ -98,7 +98,7 @@ def test_round_trip_through_json_hashes_identically() -> None:
 
 def test_signature_is_the_same_in_another_process() -> None:
     code = (
-        "from coordinator.contract.manifest import Entry, Kind, Manifest;"
+        "from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest;"
         "print(Manifest.of([Entry(Kind.PARAMETER, 'w', 'float32', (3, 2), True),"
         "Entry(Kind.BUFFER, 'rm', 'float32', (2,))]).signature_hex())"
     )
@@ -140,7 +140,8 @@ def test_from_dict_refuses_other_formats_and_garbage() -> None:
 
 def test_coordinator_manifest_does_not_import_torch() -> None:
     code = (
-        "import sys, coordinator.contract.manifest, coordinator.contract.diff;"
+        "import sys, cohortgate.coordinator.contract.manifest,"
+        " cohortgate.coordinator.contract.diff;"
         "print('torch' in sys.modules)"
     )
     assert python_c(code) == "False"

@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.report import judge
-from coordinator.edge.config import run_history
-from coordinator.state.base import JoinIntent
-from coordinator.state.memory import MemoryStore
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.report import judge
+from cohortgate.coordinator.edge.config import run_history
+from cohortgate.coordinator.state.base import JoinIntent
+from cohortgate.coordinator.state.memory import MemoryStore
 from tests.helpers import (
     REPO,
     TRAIN,
@@ -37,7 +37,7 @@ from tests.helpers import (
 )
 from tests.test_relay_faults import relay_process
 
-CLI = [sys.executable, "-m", "coordinator.cli"]
+CLI = [sys.executable, "-m", "cohortgate.coordinator.cli"]
 
 
 def cli(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
@@ -147,7 +147,7 @@ def test_status_explain_and_watch_of_an_unknown_job_say_why(
 def test_run_without_torch_says_which_extra_to_install() -> None:
     script = (
         "import sys; sys.modules['torch'] = None;"
-        "from coordinator.cli.main import main;"
+        "from cohortgate.coordinator.cli.main import main;"
         f"sys.exit(main(['run', '--nproc-per-node', '1', {str(TRAIN)!r}]))"
     )
     run = subprocess.run(

@@ -24,9 +24,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.service.metrics import Metrics
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.service.metrics import Metrics
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -44,7 +44,7 @@ from tests.helpers import (
     wait_joined,
 )
 
-CLI = [sys.executable, "-m", "coordinator.cli"]
+CLI = [sys.executable, "-m", "cohortgate.coordinator.cli"]
 
 
 def http_get(url: str) -> str:
@@ -122,8 +122,8 @@ def test_reflection_client_lists_services_and_calls_status(coord: InProcessCoord
 
 # -- status API -----------------------------------------------------------------------
 def test_status_list_detail_and_watch(coord: InProcessCoordinator) -> None:
-    from coordinator.api.v1 import cohort_pb2 as pb
-    from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 
     pool = hold_partial_cohort(coord, "watched", [0, 2], 4)
     with grpc.insecure_channel(coord.addr) as channel:
@@ -474,7 +474,7 @@ def test_sigterm_ends_waiting_joins_with_unavailable(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_agents_retry_against_a_restarted_coordinator(tmp_path: Path) -> None:
-    from coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
     port = free_port()
     listen = f"127.0.0.1:{port}"

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.decision import coverage, parity
+from cohortgate.coordinator.decision import coverage, parity
 from tests.helpers import examples
 
 

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.codec import wire
-from coordinator.contract.errors import InvalidArgument
-from coordinator.contract.layout import Layout, PieceColumns, ShardPiece, layout
-from coordinator.decision.checks.coverage import DETAILED, CoverageCheck
-from coordinator.decision.coverage import OUTSIDE_NAMED
-from coordinator.decision.pieces import CONFLICTS_NAMED, LARGE, CohortPieces
-from coordinator.decision.verdict import Level
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.contract.errors import InvalidArgument
+from cohortgate.coordinator.contract.layout import Layout, PieceColumns, ShardPiece, layout
+from cohortgate.coordinator.decision.checks.coverage import DETAILED, CoverageCheck
+from cohortgate.coordinator.decision.coverage import OUTSIDE_NAMED
+from cohortgate.coordinator.decision.pieces import CONFLICTS_NAMED, LARGE, CohortPieces
+from cohortgate.coordinator.decision.verdict import Level
 from tests.helpers import InProcessCoordinator, examples, join_request, manifest_of, run_rank
 from tests.test_parity import brute
 from tests.test_parity import layouts as tensor_layouts

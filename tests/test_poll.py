@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec import wire
-from coordinator.contract.manifest import Manifest
-from coordinator.service.admission import JOIN_POLL_LINGER_S
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.contract.manifest import Manifest
+from cohortgate.coordinator.service.admission import JOIN_POLL_LINGER_S
 from tests.helpers import (
     InProcessCoordinator,
     join_request,

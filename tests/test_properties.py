@@ -12,15 +12,15 @@ from collections.abc import Mapping
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.contract import ranges
-from coordinator.contract.fingerprint import Fields
-from coordinator.contract.layout import Layout, layout
-from coordinator.contract.manifest import Entry, Kind, Manifest
-from coordinator.decision.checks import Policies
-from coordinator.decision.cohort import CohortState, Member
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.report import judge
-from coordinator.decision.verdict import Level, Outcome, Verdict
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.fingerprint import Fields
+from cohortgate.coordinator.contract.layout import Layout, layout
+from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.decision.checks import Policies
+from cohortgate.coordinator.decision.cohort import CohortState, Member
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.report import judge
+from cohortgate.coordinator.decision.verdict import Level, Outcome, Verdict
 from tests.helpers import examples
 
 STRICT = FormationOptions(

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.cli.spawn import spawn
-from coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.cli.spawn import spawn
+from cohortgate.coordinator.codec.channel import ClientSecurity
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -344,7 +344,7 @@ def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "coordinator.cli",
+                "cohortgate.coordinator.cli",
                 "relay",
                 "--upstream",
                 c.addr,
@@ -379,7 +379,15 @@ def test_a_relay_on_a_network_address_without_tls_warns(tmp_path: Path) -> None:
 )
 def test_bad_relay_settings_are_one_line(flags: list[str], said: str) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "relay", "--upstream", "127.0.0.1:1", *flags],
+        [
+            sys.executable,
+            "-m",
+            "cohortgate.coordinator.cli",
+            "relay",
+            "--upstream",
+            "127.0.0.1:1",
+            *flags,
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec import wire
-from coordinator.contract.manifest import Manifest
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.contract.manifest import Manifest
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -355,7 +355,7 @@ def test_chaos_200_rounds_of_32_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_an_agent_that_never_reaches_the_coordinator_names_its_address() -> None:
-    from agent.torchrun import CohortgateError
+    from cohortgate.agent.torchrun import CohortgateError
 
     addr = f"127.0.0.1:{free_port()}"  # nothing listens here
     started = time.monotonic()

@@ -13,13 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.contract.errors import AlreadyHeld
-from coordinator.decision.cohort import Member
-from coordinator.decision.verdict import Outcome, Verdict
-from coordinator.service.core import Coordinator
-from coordinator.service.events import UploadAsk
-from coordinator.state.base import JoinIntent
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.contract.errors import AlreadyHeld
+from cohortgate.coordinator.decision.cohort import Member
+from cohortgate.coordinator.decision.verdict import Outcome, Verdict
+from cohortgate.coordinator.service.core import Coordinator
+from cohortgate.coordinator.service.events import UploadAsk
+from cohortgate.coordinator.state.base import JoinIntent
 from tests.helpers import InProcessCoordinator, decide_in, join_request, manifest_of, run_rank
 from tests.restarts import Load, run_load
 from tests.test_relay_faults import relay_process
@@ -202,7 +202,7 @@ def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_roun
     """A successor's incarnation is remembered with its round; once that round is forgotten
     (ROUNDS_KEPT newer rounds), its re-join is a join like any other, not a lookup of a
     round that is gone."""
-    from coordinator.state.memory import ROUNDS_KEPT, MemoryStore
+    from cohortgate.coordinator.state.memory import ROUNDS_KEPT, MemoryStore
 
     now = [0.0]
     store = MemoryStore(lambda: now[0])
@@ -227,7 +227,7 @@ def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict
     """No launch (no torchrun): a new process of the same rank on the same host, within the
     successor window, takes its predecessor's place in the decided round; one on another
     host does not."""
-    from coordinator.state.memory import MemoryStore
+    from cohortgate.coordinator.state.memory import MemoryStore
 
     store = MemoryStore(lambda: 0.0)
     old = member(0)
@@ -253,7 +253,7 @@ def test_a_torchrun_worker_restarted_with_its_node_joins_the_next_round() -> Non
     """torchrun restarts a healthy node's workers, without raising their restart count,
     when another node re-rendezvouses after a crash: same launch, same count, same model,
     seconds after the decision. They are no successors: the job's next round is theirs."""
-    from coordinator.state.memory import MemoryStore
+    from cohortgate.coordinator.state.memory import MemoryStore
 
     store = MemoryStore(lambda: 0.0)
     old = member(0)

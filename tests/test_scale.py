@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.cli.spawn import spawn
-from coordinator.codec import wire
-from coordinator.contract.manifest import Manifest
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.cli.spawn import spawn
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.contract.manifest import Manifest
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -585,8 +585,8 @@ def test_a_group_validates_what_its_members_share_once_and_each_difference_on_it
     """A relay's group carries one host, launch, runtime and config many times: they are
     validated once per call, and a member whose value differs (a bad one) is still refused,
     named by its place in the group; the members that share a value share the result."""
-    from coordinator.contract.errors import InvalidArgument, LimitExceeded
-    from coordinator.edge.rpc import group_intents
+    from cohortgate.coordinator.contract.errors import InvalidArgument, LimitExceeded
+    from cohortgate.coordinator.edge.rpc import group_intents
 
     m = manifest_of()
 

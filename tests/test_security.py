@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.channel import ClientSecurity
 from tests.helpers import (
     InProcessCoordinator,
     agent_rank,
@@ -51,7 +51,7 @@ def join_once(
     for event in stub.Join(request, timeout=10, metadata=metadata):
         kind = event.WhichOneof("event")
         if kind == "manifest_request":
-            from coordinator.codec import wire
+            from cohortgate.coordinator.codec import wire
 
             stub.UploadManifest(
                 wire.manifest_answer(request, event.manifest_request.round, m),
@@ -174,7 +174,7 @@ def test_with_tls_the_status_port_serves_https_and_never_plain_http(pki: Path) -
 def test_a_token_protected_status_page_is_never_served_in_clear_beyond_loopback(
     tmp_path: Path,
 ) -> None:
-    from coordinator.edge.config import ServeConfig
+    from cohortgate.coordinator.edge.config import ServeConfig
 
     tokens = tmp_path / "tokens"
     tokens.write_text("secret *\n")
@@ -294,7 +294,7 @@ def test_non_loopback_needs_a_flag_and_warns_without_tls_or_tokens(tmp_path: Pat
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "cohortgate.coordinator.cli",
             "serve",
             "--listen",
             "0.0.0.0:0",
@@ -318,8 +318,8 @@ def test_the_limits_no_other_test_reaches_refuse_naming_themselves() -> None:
     layout pieces: each refusal names the limit and its value."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from coordinator.api.v1 import cohort_pb2 as pb
-    from coordinator.codec import wire
+    from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+    from cohortgate.coordinator.codec import wire
     from tests.helpers import run_rank
 
     c = InProcessCoordinator(max_waiting_ranks=3, max_manifest_entries=10, join_deadline=30.0)
@@ -377,8 +377,8 @@ def test_the_limits_no_other_test_reaches_refuse_naming_themselves() -> None:
                 ],
             ),
         )
-        from coordinator.contract.errors import LimitExceeded
-        from coordinator.edge.rpc import manifest_of as decode
+        from cohortgate.coordinator.contract.errors import LimitExceeded
+        from cohortgate.coordinator.edge.rpc import manifest_of as decode
 
         with pytest.raises(LimitExceeded, match="a name of 1025 characters; the limit is 1024"):
             decode(long_name.SerializeToString())

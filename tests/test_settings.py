@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.codec.channel import ClientSecurity
-from coordinator.contract.settings import SettingError, env_seconds, token_text
+from cohortgate.coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.contract.settings import SettingError, env_seconds, token_text
 from tests.helpers import REPO, InProcessCoordinator, free_port
 
-CLI = [sys.executable, "-m", "coordinator.cli"]
+CLI = [sys.executable, "-m", "cohortgate.coordinator.cli"]
 TOKEN = "a-token-of-sixteen-chars-or-more"
 
 # A rank as torchrun starts it, joining a coordinator nobody serves (never reached: the
@@ -28,10 +28,10 @@ RANK_ENV = {
     "TORCHELASTIC_RUN_ID": "settings",
 }
 JOIN = (
-    "import sys, torch, agent\n"
+    "import sys, torch, cohortgate\n"
     "try:\n"
-    "    agent.join(torch.nn.Linear(2, 2))\n"
-    "except agent.CohortgateError as exc:\n"
+    "    cohortgate.join(torch.nn.Linear(2, 2))\n"
+    "except cohortgate.CohortgateError as exc:\n"
     "    print('ERROR', exc)\n"
     "    sys.exit(4)\n"
 )
@@ -59,7 +59,7 @@ def _rank(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str],
 
 def test_the_agent_imports_whatever_cohortgate_timeout_holds() -> None:
     run = subprocess.run(
-        [sys.executable, "-c", "import agent.client, agent.cohort"],
+        [sys.executable, "-c", "import cohortgate.agent.client, cohortgate.agent.cohort"],
         env={**os.environ, "COHORTGATE_TIMEOUT": "abc", "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
@@ -300,7 +300,7 @@ def _flags(command: str) -> dict[str, str]:
     """--flag -> its help, as `cohortgate COMMAND --help` has them."""
     import argparse
 
-    from coordinator.cli.main import build_parser
+    from cohortgate.coordinator.cli.main import build_parser
 
     sub = next(
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
@@ -323,13 +323,15 @@ def test_every_flag_is_the_one_it_was_and_names_its_variable_and_default(
     helps = _flags(command)
     assert sorted(helps) == sorted(flags)
     for flag, said in helps.items():
-        var = prefix + flag.upper().replace("-", "_")
+        # serve's own TLS is COHORTGATE_SERVE_TLS_* (COHORTGATE_TLS_* is a client's)
+        own = "SERVE_" if command == "serve" and flag.startswith("tls-") else ""
+        var = prefix + own + flag.upper().replace("-", "_")
         assert f"${var}" in said, (flag, said)
         assert "default: " in said or "required" in said, (flag, said)
 
 
 def test_a_variable_sets_what_its_flag_sets_and_the_flag_wins() -> None:
-    from coordinator.edge.config import RelayConfig, ServeConfig, from_env_and_flags
+    from cohortgate.coordinator.edge.config import RelayConfig, ServeConfig, from_env_and_flags
 
     env = {f"COHORTGATE_{f.upper().replace('-', '_')}": "" for f in SERVE_FLAGS}
     env |= {"COHORTGATE_JOIN_DEADLINE": "120", "COHORTGATE_POLICY": "code=strict"}
@@ -349,7 +351,7 @@ def test_a_variable_sets_what_its_flag_sets_and_the_flag_wins() -> None:
 def test_the_relays_server_tls_is_never_the_clients_certificate(pki: Path) -> None:
     """COHORTGATE_TLS_CERT/_KEY are a client's certificate (the relay's upstream, an
     agent's): the relay's own port reads COHORTGATE_RELAY_TLS_* only."""
-    from coordinator.edge.config import RelayConfig, from_env_and_flags
+    from cohortgate.coordinator.edge.config import RelayConfig, from_env_and_flags
 
     client = {"COHORTGATE_TLS_CERT": str(pki / "client.pem"), "COHORTGATE_TLS_KEY": "x"}
     relay = from_env_and_flags(RelayConfig, {"upstream": "127.0.0.1:1"}, client)
@@ -370,7 +372,7 @@ def test_the_cli_checks_an_address_as_the_agent_does(where: str, addr: str) -> N
     """`cohortgate status` given "localhost" tried port 443 in silence, and a URL gave a raw
     resolver error: one line naming the setting, exit 2."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-m", "coordinator.cli", "status"]
+    args = [sys.executable, "-m", "cohortgate.coordinator.cli", "status"]
     if where == "--addr":
         args += ["--addr", addr]
     else:
@@ -379,3 +381,40 @@ def test_the_cli_checks_an_address_as_the_agent_does(where: str, addr: str) -> N
     assert run.returncode == 2, run.stderr
     (line,) = run.stderr.strip().splitlines()
     assert line.startswith(f"cohortgate status: {where}=") and "is not HOST:PORT" in line, line
+
+
+def test_the_servers_tls_has_its_own_variables_and_the_old_ones_still_work_with_a_warning(
+    pki: Path,
+) -> None:
+    """Issue 38: COHORTGATE_TLS_CERT/_KEY meant the server's certificate for `serve` and a
+    client's for everything else. `serve` reads COHORTGATE_SERVE_TLS_*; the old names for
+    one release, saying the new one; the new name wins where both are set."""
+    from cohortgate.coordinator.edge.config import ServeConfig, from_env_and_flags
+
+    cert, key = str(pki / "server.pem"), str(pki / "server.key")
+    said: list[str] = []
+    new = {"COHORTGATE_SERVE_TLS_CERT": cert, "COHORTGATE_SERVE_TLS_KEY": key}
+    serve = from_env_and_flags(ServeConfig, {}, new, warn=said.append)
+    assert (serve.tls.cert, serve.tls.key, said) == (Path(cert), Path(key), [])
+
+    old = {"COHORTGATE_TLS_CERT": cert, "COHORTGATE_TLS_KEY": key}
+    serve = from_env_and_flags(ServeConfig, {}, old, warn=said.append)
+    assert (serve.tls.cert, serve.tls.key) == (Path(cert), Path(key))
+    assert said == [
+        f"COHORTGATE_TLS_{k} for the server is deprecated: use COHORTGATE_SERVE_TLS_{k} "
+        f"(COHORTGATE_TLS_{k} keeps its meaning for clients: agents, relays upstream and the CLI)"
+        for k in ("CERT", "KEY")
+    ]
+
+    said.clear()
+    both = (
+        old
+        | {"COHORTGATE_SERVE_TLS_CERT": str(pki / "client.pem")}
+        | {"COHORTGATE_SERVE_TLS_KEY": str(pki / "client.key")}
+    )
+    serve = from_env_and_flags(ServeConfig, {}, both, warn=said.append)
+    assert (serve.tls.cert, said) == (pki / "client.pem", [])
+    # A flag given wins and needs no warning about the variable it overrides.
+    flags = {"tls_cert": cert, "tls_key": key}
+    serve = from_env_and_flags(ServeConfig, flags, old, warn=said.append)
+    assert (serve.tls.cert, said) == (Path(cert), [])

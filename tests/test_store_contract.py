@@ -22,20 +22,20 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.contract.errors import (
+from cohortgate.coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
-from coordinator.decision.audit import AuditFinding
-from coordinator.decision.cohort import Member, UploadKind
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.report import judge
-from coordinator.decision.verdict import Cause, Outcome, Verdict
-from coordinator.etcd.client import EtcdSettings, EtcdThread
-from coordinator.state.asks import UploadRef
-from coordinator.state.base import (
+from cohortgate.coordinator.decision.audit import AuditFinding
+from cohortgate.coordinator.decision.cohort import Member, UploadKind
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.report import judge
+from cohortgate.coordinator.decision.verdict import Cause, Outcome, Verdict
+from cohortgate.coordinator.etcd.client import EtcdSettings, EtcdThread
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.base import (
     CohortStore,
     InvalidUpload,
     JoinIntent,
@@ -43,9 +43,9 @@ from coordinator.state.base import (
     VerdictRow,
     VerdictStore,
 )
-from coordinator.state.etcd_history import EtcdHistory
-from coordinator.state.history import History
-from coordinator.state.memory import MemoryStore
+from cohortgate.coordinator.state.etcd_history import EtcdHistory
+from cohortgate.coordinator.state.history import History
+from cohortgate.coordinator.state.memory import MemoryStore
 from tests.etcd import EtcdServer
 from tests.etcd import prefix as etcd_prefix
 from tests.helpers import decide_in, manifest_of

@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.codec import wire
-from coordinator.contract.errors import InvalidArgument, PermissionDenied
-from coordinator.contract.fingerprint import MAX_VALUE, canonical, config_fields
-from coordinator.contract.layout import Layout, ShardPiece
-from coordinator.contract.manifest import Manifest
-from coordinator.decision import coverage
-from coordinator.decision.cohort import CohortState, Member
-from coordinator.decision.formation import FormationOptions, decide
-from coordinator.decision.verdict import Outcome
-from coordinator.edge.auth import Auth, TokenStore
-from coordinator.edge.rpc import join_intent
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.contract.errors import InvalidArgument, PermissionDenied
+from cohortgate.coordinator.contract.fingerprint import MAX_VALUE, canonical, config_fields
+from cohortgate.coordinator.contract.layout import Layout, ShardPiece
+from cohortgate.coordinator.contract.manifest import Manifest
+from cohortgate.coordinator.decision import coverage
+from cohortgate.coordinator.decision.cohort import CohortState, Member
+from cohortgate.coordinator.decision.formation import FormationOptions, decide
+from cohortgate.coordinator.decision.verdict import Outcome
+from cohortgate.coordinator.edge.auth import Auth, TokenStore
+from cohortgate.coordinator.edge.rpc import join_intent
 from tests.helpers import join_request, manifest_of
 from tests.test_parity import arrays
 from tests.test_pieces import findings, named
@@ -69,7 +69,7 @@ def test_a_job_token_does_not_reach_a_job_whose_id_it_prefixes(tmp_path: object)
 # -- the weight digest covers every byte ------------------------------------------------
 @pytest.mark.parametrize("kernel", [True, False])
 def test_a_change_past_the_first_64_kib_changes_the_digest(kernel: bool) -> None:
-    from agent.digest import tensor_digest
+    from cohortgate.agent.digest import tensor_digest
 
     t = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: 73 chunks of 16 KiB
     base = tensor_digest("w", t, kernel=kernel)
@@ -81,7 +81,7 @@ def test_a_change_past_the_first_64_kib_changes_the_digest(kernel: bool) -> None
 
 # -- agreement: a field some ranks lack --------------------------------------------------
 def test_a_config_key_present_on_some_ranks_only_is_named_with_absent() -> None:
-    from coordinator.contract.fingerprint import disagreements, fields_of
+    from cohortgate.coordinator.contract.fingerprint import disagreements, fields_of
 
     full = fields_of(config_fields({"hidden": 64, "rope_theta": 10000.0}))
     short = fields_of(config_fields({"hidden": 64}))
@@ -166,7 +166,7 @@ def test_tokens_shorter_than_16_characters_are_refused(tmp_path: object) -> None
 def test_grants_name_what_is_wrong_with_a_call(tmp_path: object) -> None:
     from pathlib import Path
 
-    from coordinator.contract.errors import Unauthenticated
+    from cohortgate.coordinator.contract.errors import Unauthenticated
 
     tokens = Path(str(tmp_path)) / "tokens"
     tokens.write_text("# ops\nadmin-token-0123456789 *  # every job\njob-token-0123456789 job-b\n")

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from agent.digest import (
+from cohortgate.agent.digest import (
     weight_digests,
 )
-from agent.signature import manifest as build_manifest
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.cli.spawn import spawn
+from cohortgate.agent.signature import manifest as build_manifest
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.cli.spawn import spawn
 from tests.helpers import (
     agent_rank,
     coordinator_process,

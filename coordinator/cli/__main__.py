@@ -1,5 +1,5 @@
-"""`python -m coordinator.cli`: the cohortgate command."""
+"""`python -m cohortgate.coordinator.cli`: the cohortgate command."""
 
-from coordinator.cli.main import main
+from cohortgate.coordinator.cli.main import main
 
 raise SystemExit(main())

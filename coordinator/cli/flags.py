@@ -10,17 +10,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from cohortgate.coordinator.edge.config import env_var
+
 
 def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], env_prefix: str) -> None:
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
     """Every field of `model` as a flag whose default is None (not given): the variable, then
     the field's default, apply unless the flag is given."""
     for name, field in model.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        var = env_prefix + name.upper()
+        var = env_var(model, name)
         if field.is_required():
             said = f"required; ${var}"
         else:

@@ -10,11 +10,17 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from coordinator.cli import ops as ops_cli
-from coordinator.cli.flags import add_flags, flag_of, given
-from coordinator.cli.run import cmd_run
-from coordinator.contract.settings import SettingError
-from coordinator.edge.config import RelayConfig, ServeConfig, Settings, from_env_and_flags
+from cohortgate.coordinator.cli import ops as ops_cli
+from cohortgate.coordinator.cli.flags import add_flags, flag_of, given
+from cohortgate.coordinator.cli.run import cmd_run
+from cohortgate.coordinator.contract.settings import SettingError
+from cohortgate.coordinator.edge.config import (
+    RelayConfig,
+    ServeConfig,
+    Settings,
+    env_var,
+    from_env_and_flags,
+)
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,7 +30,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Run the cohortgate coordinator. Every flag can also be set as "
         "COHORTGATE_<NAME> (e.g. COHORTGATE_JOIN_DEADLINE=120); a flag wins over its variable.",
     )
-    add_flags(p, ServeConfig, ServeConfig.env_prefix)
+    add_flags(p, ServeConfig)
 
 
 def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,7 +47,7 @@ def _relay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "COHORTGATE_TLS_* and the ranks' own tokens. On loopback unless --listen says "
         "otherwise.",
     )
-    add_flags(p, RelayConfig, RelayConfig.env_prefix)
+    add_flags(p, RelayConfig)
 
 
 def _settings(command: str, model: type[Settings], args: argparse.Namespace) -> Settings | None:
@@ -53,7 +59,10 @@ def _settings(command: str, model: type[Settings], args: argparse.Namespace) -> 
     except ValidationError as exc:
         for error in exc.errors():
             loc = "_".join(str(x) for x in error["loc"])
-            var = model.env_prefix + loc.upper()
+            known = loc in model.model_fields
+            names = [env_var(model, loc), env_var(model, loc, old=True)] if known else []
+            said = [v for v in names if v]
+            var = next((v for v in said if os.environ.get(v)), said[0] if said else "")
             where = f"{flag_of(loc)}: " if loc else ""  # "": a check of several fields
             if loc and loc not in flags and os.environ.get(var):
                 where = f"${var}={os.environ[var]!r}: "
@@ -69,7 +78,7 @@ def _settings(command: str, model: type[Settings], args: argparse.Namespace) -> 
 def _serving(command: str, model: type[Settings], args: argparse.Namespace) -> int:
     """Read the command's settings, then serve until a signal: 0; 2 for bad settings (or
     a bad tokens file, read once before anything listens); 1 when a port cannot be had."""
-    from coordinator.cli import logs
+    from cohortgate.coordinator.cli import logs
 
     config = _settings(command, model, args)
     if config is None:
@@ -88,11 +97,11 @@ def _serving(command: str, model: type[Settings], args: argparse.Namespace) -> i
 
 async def _serve(config: ServeConfig | RelayConfig) -> None:
     if isinstance(config, ServeConfig):
-        from coordinator.edge import server
+        from cohortgate.coordinator.edge import server
 
         await server.serve(config)
         return
-    from coordinator.edge.relay_server import serve_relay
+    from cohortgate.coordinator.edge.relay_server import serve_relay
 
     await serve_relay(
         config.upstream,

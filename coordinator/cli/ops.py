@@ -15,15 +15,15 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec.channel import ClientSecurity
-from coordinator.codec.leader import addresses
-from coordinator.codec.wire import STATE_NAMES
-from coordinator.contract.addr import DEFAULT_ADDR
-from coordinator.contract.errors import CoordinatorError
-from coordinator.edge.replies import finding_to_pb, record_to_pb
-from coordinator.state.base import VerdictStore
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.codec.leader import addresses
+from cohortgate.coordinator.codec.wire import STATE_NAMES
+from cohortgate.coordinator.contract.addr import DEFAULT_ADDR
+from cohortgate.coordinator.contract.errors import CoordinatorError
+from cohortgate.coordinator.edge.replies import finding_to_pb, record_to_pb
+from cohortgate.coordinator.state.base import VerdictStore
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -280,7 +280,7 @@ _T = TypeVar("_T")
 def _from_file(path: str, read: Callable[[VerdictStore], _T]) -> _T:
     """`read` of the history file (OSError or CoordinatorError (UNAVAILABLE) when the file
     cannot be read)."""
-    from coordinator.state.backends import open_verdicts
+    from cohortgate.coordinator.state.backends import open_verdicts
 
     history = open_verdicts(path, readonly=True)
     try:
@@ -292,9 +292,9 @@ def _from_file(path: str, read: Callable[[VerdictStore], _T]) -> _T:
 def _from_etcd(args: argparse.Namespace, read: Callable[[VerdictStore], _T]) -> _T:
     """`read` of the history in etcd, as any replica reads it (OSError when etcd cannot be
     read)."""
-    from coordinator.edge.config import ServeConfig, from_env_and_flags
-    from coordinator.etcd.client import EtcdThread
-    from coordinator.state.backends import open_etcd_verdicts
+    from cohortgate.coordinator.edge.config import ServeConfig, from_env_and_flags
+    from cohortgate.coordinator.etcd.client import EtcdThread
+    from cohortgate.coordinator.state.backends import open_etcd_verdicts
 
     flags = {"etcd": args.etcd, "etcd_prefix": args.etcd_prefix, "history": "off"}
     settings = from_env_and_flags(ServeConfig, flags).etcd_settings
@@ -375,7 +375,7 @@ def _local_histories(job: str) -> list[Path]:
     """The history files on this machine: the shared one, the one `cohortgate run` kept for
     the job, then the other runs' (the demo's, a run whose job id was generated), newest
     first."""
-    from coordinator.edge.config import DEFAULT_HISTORY, run_history, runs_dir
+    from cohortgate.coordinator.edge.config import DEFAULT_HISTORY, run_history, runs_dir
 
     shared = Path(os.environ.get("COHORTGATE_HISTORY") or DEFAULT_HISTORY).expanduser()
     own = run_history(job)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from coordinator.cli.launch import (
+from cohortgate.coordinator.cli.launch import (
     JobId,
     LaunchError,
     TorchrunArgs,
@@ -24,9 +24,9 @@ from coordinator.cli.launch import (
     job_id,
     parse_torchrun,
 )
-from coordinator.cli.spawn import spawn
-from coordinator.contract.addr import split_host_port
-from coordinator.edge.config import prune_runs, run_history
+from cohortgate.coordinator.cli.spawn import spawn
+from cohortgate.coordinator.contract.addr import split_host_port
+from cohortgate.coordinator.edge.config import prune_runs, run_history
 
 RUN_USAGE = """\
 usage: cohortgate run [--coordinator HOST:PORT[,HOST:PORT...]] [--no-relay] [--join-deadline S]
@@ -215,7 +215,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def _retention_days(env: dict[str, str]) -> float:
     """The history retention the coordinator started here applies (its variable, else its
     default), for the run histories of earlier jobs too."""
-    from coordinator.edge.config import ServeConfig
+    from cohortgate.coordinator.edge.config import ServeConfig
 
     raw = env.get("COHORTGATE_HISTORY_RETENTION_DAYS", "")
     try:

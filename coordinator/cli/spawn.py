@@ -28,7 +28,7 @@ def spawn(
     saying which."""
     proc = subprocess.Popen(
         [
-            *(program or (sys.executable, "-m", "coordinator.cli", command)),
+            *(program or (sys.executable, "-m", "cohortgate.coordinator.cli", command)),
             "--listen",
             "127.0.0.1:0",
             "--port-file",

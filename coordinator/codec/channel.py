@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.contract.settings import SettingError, token_text
+from cohortgate.coordinator.contract.settings import SettingError, token_text
 
 
 @dataclass(frozen=True)

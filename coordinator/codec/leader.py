@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from coordinator.contract.addr import split_host_port
-from coordinator.contract.settings import SettingError
+from cohortgate.coordinator.contract.addr import split_host_port
+from cohortgate.coordinator.contract.settings import SettingError
 
 LEADER_KEY = "cohortgate-leader"
 # While no replica leads (a failover, etcd away), a client asks again within this (jittered

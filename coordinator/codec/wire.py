@@ -1,16 +1,20 @@
 """Agent-safe proto <-> contract conversion: manifests, layouts, protocol version, states.
 
 Every field from the network is validated here first. Imports only the contract and the
-generated stubs: `import agent.client` loads nothing of the decision, state or service.
+generated stubs: `import cohortgate.agent.client` loads nothing of the decision, state or service.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.contract.errors import FailedPrecondition, InvalidArgument, LimitExceeded
-from coordinator.contract.layout import (
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.contract.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LimitExceeded,
+)
+from cohortgate.coordinator.contract.layout import (
     AXES,
     WIDTHS,
     Layout,
@@ -18,8 +22,8 @@ from coordinator.contract.layout import (
     ShardPiece,
     le_array,
 )
-from coordinator.contract.limits import Limits
-from coordinator.contract.manifest import (
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.contract.manifest import (
     MANIFEST_FORMAT_VERSION,
     Entry,
     Kind,

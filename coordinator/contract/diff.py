@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coordinator.contract.manifest import Entry, ManifestLike
+from cohortgate.coordinator.contract.manifest import Entry, ManifestLike
 
 # Lists in the rendering stop here; a 4,096-layer model need not print 4,096 lines.
 LIST_CAP = 20

@@ -7,7 +7,7 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 
-from coordinator.contract.errors import InvalidArgument
+from cohortgate.coordinator.contract.errors import InvalidArgument
 
 FORMAT = b"cohortgate.digest.v2"
 DIGEST_FORMAT_VERSION = 2

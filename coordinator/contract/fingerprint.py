@@ -14,8 +14,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from coordinator.contract import ranges
-from coordinator.contract.layout import CONFIG_METADATA_KEYS
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.layout import CONFIG_METADATA_KEYS
 
 # One fingerprint: sorted (field, canonical value) pairs. A tuple of strings: hashable, and
 # the garbage collector does not track it.

@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from coordinator.contract import ranges
-from coordinator.decision.verdict import Level
-from coordinator.decision.words import all_ranks, plural
-from coordinator.decision.words import differ as verb
-from coordinator.decision.words import hosts as host_list
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.decision.verdict import Level
+from cohortgate.coordinator.decision.words import all_ranks, plural
+from cohortgate.coordinator.decision.words import differ as verb
+from cohortgate.coordinator.decision.words import hosts as host_list
 
 # A strict stop lands this far ahead of the fastest rank, and at least MARGIN_STEPS: every
 # rank hears of it (in the answer to one of its next audits, a relay's batch window and a

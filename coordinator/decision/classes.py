@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.decision.cohort import CohortState, Member
-from coordinator.decision.verdict import LaunchGroup, SignatureClass
+from cohortgate.coordinator.decision.cohort import CohortState, Member
+from cohortgate.coordinator.decision.verdict import LaunchGroup, SignatureClass
 
 
 def launch_groups(cohort: CohortState) -> tuple[LaunchGroup, ...]:

@@ -8,9 +8,9 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from coordinator.contract.fingerprint import Fields
-from coordinator.contract.layout import Layout
-from coordinator.contract.manifest import ManifestLike
+from cohortgate.coordinator.contract.fingerprint import Fields
+from cohortgate.coordinator.contract.layout import Layout
+from cohortgate.coordinator.contract.manifest import ManifestLike
 
 
 class UploadKind(enum.StrEnum):
@@ -55,7 +55,7 @@ class Member:
     init_method: str = ""
     runtime: dict[str, str] = field(default_factory=dict)
     layout: Layout | None = None
-    weights_digest: bytes = b""  # agent.join(verify_values=True); b"": not sent
+    weights_digest: bytes = b""  # cohortgate.join(verify_values=True); b"": not sent
     launch: str = ""  # which launch of the job (torchrun's store endpoint); "": unknown
     restart_count: int = 0  # torchrun's restart count: a torchrun restart raises it
     elastic: bool = False  # a torchrun worker: a new process of it is never a successor

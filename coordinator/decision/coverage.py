@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.decision import parity
+from cohortgate.coordinator.decision import parity
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from coordinator.contract import ranges
-from coordinator.decision.checks import CHECKS, Check, Context, Policies, Result
-from coordinator.decision.checks.gates import DEADLINE, LAUNCH, UPLOADS
-from coordinator.decision.classes import launch_groups, signature_classes
-from coordinator.decision.cohort import INVALID_UPLOAD, CohortState
-from coordinator.decision.verdict import (
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.decision.checks import CHECKS, Check, Context, Policies, Result
+from cohortgate.coordinator.decision.checks.gates import DEADLINE, LAUNCH, UPLOADS
+from cohortgate.coordinator.decision.classes import launch_groups, signature_classes
+from cohortgate.coordinator.decision.cohort import INVALID_UPLOAD, CohortState
+from cohortgate.coordinator.decision.verdict import (
     Decision,
     Level,
     Outcome,

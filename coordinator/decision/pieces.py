@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.contract.layout import Layout, PieceColumns
-from coordinator.decision.coverage import sorted_unique
-from coordinator.decision.parity import corner_masks, odd_keys_of
+from cohortgate.coordinator.contract.layout import Layout, PieceColumns
+from cohortgate.coordinator.decision.coverage import sorted_unique
+from cohortgate.coordinator.decision.parity import corner_masks, odd_keys_of
 
 Int64s = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]

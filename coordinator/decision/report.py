@@ -6,13 +6,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 
-from coordinator.contract.diff import ManifestDiff, diff
-from coordinator.decision.checks import CHECKS
-from coordinator.decision.checks.base import Refused, Words
-from coordinator.decision.checks.gates import GATES
-from coordinator.decision.cohort import CohortState
-from coordinator.decision.formation import FormationOptions, decide
-from coordinator.decision.verdict import Decision, DiffKey, Outcome, Verdict
+from cohortgate.coordinator.contract.diff import ManifestDiff, diff
+from cohortgate.coordinator.decision.checks import CHECKS
+from cohortgate.coordinator.decision.checks.base import Refused, Words
+from cohortgate.coordinator.decision.checks.gates import GATES
+from cohortgate.coordinator.decision.cohort import CohortState
+from cohortgate.coordinator.decision.formation import FormationOptions, decide
+from cohortgate.coordinator.decision.verdict import Decision, DiffKey, Outcome, Verdict
 
 # What refused, by the name a refusing Decision carries (Decision.check).
 WORDS: dict[str, Words] = {w.name: w for w in (*GATES, *CHECKS)}

@@ -9,8 +9,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from coordinator.contract import ranges
-from coordinator.contract.diff import ManifestDiff
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.diff import ManifestDiff
 
 
 class Outcome(enum.StrEnum):

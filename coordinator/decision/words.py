@@ -3,10 +3,10 @@ check's words (checks/*) and the report that assembles them (report.py)."""
 
 from __future__ import annotations
 
-from coordinator.contract import ranges
-from coordinator.contract.diff import ManifestDiff
-from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Decision, DiffKey, SignatureClass
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.diff import ManifestDiff
+from cohortgate.coordinator.decision.cohort import CohortState
+from cohortgate.coordinator.decision.verdict import Decision, DiffKey, SignatureClass
 
 # A refused 4,096-node cohort must not print 4,096 host names per class.
 HOST_CAP = 8

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.contract.errors import PermissionDenied, Unauthenticated
+from cohortgate.coordinator.contract.errors import PermissionDenied, Unauthenticated
 
 ADMIN = "*"
 

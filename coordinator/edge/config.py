@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -27,12 +28,12 @@ from pydantic import (
     model_validator,
 )
 
-from coordinator.contract.addr import DEFAULT_ADDR, split_host_port
-from coordinator.contract.limits import Limits
-from coordinator.decision.checks import Policies, policy_help
-from coordinator.decision.formation import FormationOptions
-from coordinator.edge.exposure import ServerTLS, exposed, is_loopback
-from coordinator.etcd.client import EtcdSettings
+from cohortgate.coordinator.contract.addr import DEFAULT_ADDR, split_host_port
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.decision.checks import Policies, policy_help
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.edge.exposure import ServerTLS, exposed, is_loopback
+from cohortgate.coordinator.etcd.client import EtcdSettings
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9470"
 DEFAULT_HISTORY = "~/.local/state/cohortgate/history.sqlite"
@@ -129,12 +130,23 @@ class ServeConfig(BaseModel):
     tokens_file: Path | None = Field(
         None, description="bearer tokens, one 'TOKEN JOB_ID' (or 'TOKEN *') per line"
     )
+    # COHORTGATE_TLS_* are a client's (agents, relays upstream, the CLI): the server's own
+    # are COHORTGATE_SERVE_TLS_*, as a relay's are COHORTGATE_RELAY_TLS_*. The old names are
+    # read for one release, with a warning (issue 38).
     tls_cert: Path | None = Field(
-        None, description="server certificate (PEM) for TLS, on the gRPC and HTTP ports"
+        None,
+        description="server certificate (PEM) for TLS, on the gRPC and HTTP ports",
+        json_schema_extra={"env": "SERVE_TLS_CERT", "deprecated_env": "TLS_CERT"},
     )
-    tls_key: Path | None = Field(None, description="server private key (PEM) for TLS")
+    tls_key: Path | None = Field(
+        None,
+        description="server private key (PEM) for TLS",
+        json_schema_extra={"env": "SERVE_TLS_KEY", "deprecated_env": "TLS_KEY"},
+    )
     tls_client_ca: Path | None = Field(
-        None, description="CA (PEM) that client certificates must chain to: mutual TLS"
+        None,
+        description="CA (PEM) that client certificates must chain to: mutual TLS",
+        json_schema_extra={"env": "SERVE_TLS_CLIENT_CA", "deprecated_env": "TLS_CLIENT_CA"},
     )
     policy: str = Field(
         "",
@@ -406,14 +418,37 @@ class RelayConfig(BaseModel):
 Settings = TypeVar("Settings", ServeConfig, RelayConfig)
 
 
+def env_var(model: type[BaseModel], name: str, *, old: bool = False) -> str | None:
+    """The variable of `model`'s field `name` (COHORTGATE_<FIELD> unless the field names its
+    own); with old=True, the name it was read under before, if any."""
+    extra = model.model_fields[name].json_schema_extra
+    extra = extra if isinstance(extra, dict) else {}
+    own = extra.get("deprecated_env" if old else "env")
+    if own is None:
+        return None if old else str(getattr(model, "env_prefix", ENV_PREFIX)) + name.upper()
+    return ENV_PREFIX + str(own)
+
+
 def from_env_and_flags(
-    model: type[Settings], flags: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    model: type[Settings],
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    warn: Callable[[str], None] = lambda said: print(f"cohortgate: {said}", file=sys.stderr),
 ) -> Settings:
-    """Environment first, then every flag the user actually gave (not None) on top."""
+    """Environment first, then every flag the user actually gave (not None) on top. A field
+    still given under its old variable is read from it, and `warn` says the new name."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for name in model.model_fields:
-        raw = env.get(model.env_prefix + name.upper())
+        var, old = env_var(model, name), env_var(model, name, old=True)
+        raw = env.get(str(var))
+        if not raw and old is not None and env.get(old):
+            raw = env[old]
+            if flags.get(name) is None:
+                warn(
+                    f"{old} for the server is deprecated: use {var} ({old} keeps its meaning "
+                    "for clients: agents, relays upstream and the CLI)"
+                )
         if raw is not None and raw != "":
             values[name] = raw
     values.update({k: v for k, v in flags.items() if v is not None and k in model.model_fields})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.contract.addr import split_host_port
+from cohortgate.coordinator.contract.addr import split_host_port
 
 
 def is_loopback(host: str) -> bool:

@@ -12,10 +12,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.contract.errors import CoordinatorError, PermissionDenied, Unavailable
-from coordinator.edge.auth import Auth
-from coordinator.service.core import Coordinator
-from coordinator.state.base import VerdictRow
+from cohortgate.coordinator.contract.errors import CoordinatorError, PermissionDenied, Unavailable
+from cohortgate.coordinator.edge.auth import Auth
+from cohortgate.coordinator.service.core import Coordinator
+from cohortgate.coordinator.state.base import VerdictRow
 
 # How often the page reloads itself; dashboards need no faster.
 REFRESH_S = 2

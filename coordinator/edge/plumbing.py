@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
 
 class Malformed:

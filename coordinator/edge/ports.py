@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from coordinator.contract.addr import split_host_port
+from cohortgate.coordinator.contract.addr import split_host_port
 
 
 class BindError(OSError):

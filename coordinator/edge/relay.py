@@ -25,18 +25,18 @@ from typing import Any
 import grpc
 import structlog
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec.channel import ClientSecurity
-from coordinator.codec.leader import Upstream
-from coordinator.contract.limits import Limits
-from coordinator.edge.plumbing import (
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.codec.leader import Upstream
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.edge.plumbing import (
     RAW_CHUNKS,
     keepalive_client_options,
 )
-from coordinator.edge.relay_audits import UPSTREAM_TIMEOUT_S as AUDIT_TIMEOUT_S
-from coordinator.edge.relay_audits import WINDOW_S as AUDIT_WINDOW_S
-from coordinator.edge.relay_audits import RelayAudits
+from cohortgate.coordinator.edge.relay_audits import UPSTREAM_TIMEOUT_S as AUDIT_TIMEOUT_S
+from cohortgate.coordinator.edge.relay_audits import WINDOW_S as AUDIT_WINDOW_S
+from cohortgate.coordinator.edge.relay_audits import RelayAudits
 
 log = structlog.get_logger("cohortgate.relay")
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.contract.limits import MAX_AUDITS_PER_CALL
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.contract.limits import MAX_AUDITS_PER_CALL
 
 # A node's ranks audit the same step within milliseconds of each other (DDP keeps them in
 # step): long enough to batch them, short enough that a rank that never comes costs nothing.

@@ -12,13 +12,13 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from coordinator.codec.channel import ClientSecurity
-from coordinator.contract.limits import Limits
-from coordinator.edge.exposure import ServerTLS, exposed
-from coordinator.edge.plumbing import RAW_CHUNKS, add_service, keepalive_server_options
-from coordinator.edge.ports import bind
-from coordinator.edge.relay import Relay
-from coordinator.edge.relay_audits import WINDOW_S as AUDIT_WINDOW_S
+from cohortgate.coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.edge.exposure import ServerTLS, exposed
+from cohortgate.coordinator.edge.plumbing import RAW_CHUNKS, add_service, keepalive_server_options
+from cohortgate.coordinator.edge.ports import bind
+from cohortgate.coordinator.edge.relay import Relay
+from cohortgate.coordinator.edge.relay_audits import WINDOW_S as AUDIT_WINDOW_S
 
 log = structlog.get_logger("cohortgate.relay")
 

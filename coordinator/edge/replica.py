@@ -17,13 +17,13 @@ import structlog
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
-from coordinator.contract.errors import NotLeader
-from coordinator.etcd.client import EtcdSettings, EtcdThread
-from coordinator.etcd.leader import Leadership
-from coordinator.service.core import Coordinator
-from coordinator.service.metrics import Metrics
-from coordinator.state.backends import open_etcd_verdicts
-from coordinator.state.base import VerdictStore
+from cohortgate.coordinator.contract.errors import NotLeader
+from cohortgate.coordinator.etcd.client import EtcdSettings, EtcdThread
+from cohortgate.coordinator.etcd.leader import Leadership
+from cohortgate.coordinator.service.core import Coordinator
+from cohortgate.coordinator.service.metrics import Metrics
+from cohortgate.coordinator.state.backends import open_etcd_verdicts
+from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import asdict
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.codec.wire import (
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec.wire import (
     STATE_TO_PB,
     entry_to_pb,
 )
-from coordinator.contract import ranges
-from coordinator.contract.diff import (
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.diff import (
     CATEGORIES,
     CHANGE_FIELDS,
     LIST_CAP,
@@ -20,13 +20,13 @@ from coordinator.contract.diff import (
     ManifestDiff,
     OrderChange,
 )
-from coordinator.contract.diff import FirstDifference as DomainFirstDifference
-from coordinator.decision.audit import Answer, AuditFinding
-from coordinator.decision.cohort import UploadKind
-from coordinator.decision.verdict import Cause, Outcome, Verdict
-from coordinator.service.events import JoinEvent, UploadAsk
-from coordinator.service.status import CohortSummary
-from coordinator.state.base import LiveCohort, VerdictRow
+from cohortgate.coordinator.contract.diff import FirstDifference as DomainFirstDifference
+from cohortgate.coordinator.decision.audit import Answer, AuditFinding
+from cohortgate.coordinator.decision.cohort import UploadKind
+from cohortgate.coordinator.decision.verdict import Cause, Outcome, Verdict
+from cohortgate.coordinator.service.events import JoinEvent, UploadAsk
+from cohortgate.coordinator.service.status import CohortSummary
+from cohortgate.coordinator.state.base import LiveCohort, VerdictRow
 
 
 def _causes() -> dict[Cause, pb.Refusal.Cause.ValueType]:

@@ -7,8 +7,8 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.codec.wire import (
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec.wire import (
     DEFAULT_LIMITS,
     MAX_JOB_ID,
     MAX_NAME,
@@ -19,22 +19,22 @@ from coordinator.codec.wire import (
     sha256,
     text,
 )
-from coordinator.contract.digests import DIGEST_FORMAT_VERSION, MAX_FILE_PATH, MAX_FILES
-from coordinator.contract.errors import (
+from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION, MAX_FILE_PATH, MAX_FILES
+from cohortgate.coordinator.contract.errors import (
     CoordinatorError,
     FailedPrecondition,
     InvalidArgument,
     LimitExceeded,
 )
-from coordinator.contract.fingerprint import AGREED, Fields, check_fields
-from coordinator.contract.limits import MAX_AUDITS_PER_CALL, Limits
-from coordinator.contract.manifest import HeldManifest
-from coordinator.contract.runtime import RUNTIME_FIELDS
-from coordinator.decision.audit import RankAudit
-from coordinator.decision.cohort import Member
-from coordinator.edge.plumbing import Malformed, parse_request
-from coordinator.state.asks import UploadRef
-from coordinator.state.base import JoinIntent
+from cohortgate.coordinator.contract.fingerprint import AGREED, Fields, check_fields
+from cohortgate.coordinator.contract.limits import MAX_AUDITS_PER_CALL, Limits
+from cohortgate.coordinator.contract.manifest import HeldManifest
+from cohortgate.coordinator.contract.runtime import RUNTIME_FIELDS
+from cohortgate.coordinator.decision.audit import RankAudit
+from cohortgate.coordinator.decision.cohort import Member
+from cohortgate.coordinator.edge.plumbing import Malformed, parse_request
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.base import JoinIntent
 
 
 class Seen:

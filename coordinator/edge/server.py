@@ -15,20 +15,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.edge.auth import Auth, TokenStore
-from coordinator.edge.config import ServeConfig
-from coordinator.edge.exposure import unprotected
-from coordinator.edge.http import MetricsServer
-from coordinator.edge.plumbing import RAW_JOINS, add_service, keepalive_server_options
-from coordinator.edge.ports import BindError, bind, check_free
-from coordinator.edge.replica import Replica
-from coordinator.edge.servicer import CohortServicer, StatusServicer
-from coordinator.service.core import Coordinator
-from coordinator.service.metrics import Metrics
-from coordinator.service.observers import Observer
-from coordinator.state.backends import open_verdicts
-from coordinator.state.base import VerdictStore
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.edge.auth import Auth, TokenStore
+from cohortgate.coordinator.edge.config import ServeConfig
+from cohortgate.coordinator.edge.exposure import unprotected
+from cohortgate.coordinator.edge.http import MetricsServer
+from cohortgate.coordinator.edge.plumbing import RAW_JOINS, add_service, keepalive_server_options
+from cohortgate.coordinator.edge.ports import BindError, bind, check_free
+from cohortgate.coordinator.edge.replica import Replica
+from cohortgate.coordinator.edge.servicer import CohortServicer, StatusServicer
+from cohortgate.coordinator.service.core import Coordinator
+from cohortgate.coordinator.service.metrics import Metrics
+from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.state.backends import open_verdicts
+from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 

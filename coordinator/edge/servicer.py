@@ -14,11 +14,11 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from coordinator.api.v1 import cohort_pb2 as pb
-from coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from coordinator.codec.leader import LEADER_KEY
-from coordinator.codec.wire import sha256
-from coordinator.contract.errors import (
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.leader import LEADER_KEY
+from cohortgate.coordinator.codec.wire import sha256
+from cohortgate.coordinator.contract.errors import (
     AlreadyHeld,
     CoordinatorError,
     FailedPrecondition,
@@ -30,13 +30,13 @@ from coordinator.contract.errors import (
     Unauthenticated,
     Unavailable,
 )
-from coordinator.contract.limits import Limits
-from coordinator.decision.cohort import UploadKind
-from coordinator.edge import replies, rpc
-from coordinator.edge.auth import Auth
-from coordinator.service.core import Coordinator
-from coordinator.service.status import CohortSummary
-from coordinator.state.base import JoinIntent
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.decision.cohort import UploadKind
+from cohortgate.coordinator.edge import replies, rpc
+from cohortgate.coordinator.edge.auth import Auth
+from cohortgate.coordinator.service.core import Coordinator
+from cohortgate.coordinator.service.status import CohortSummary
+from cohortgate.coordinator.state.base import JoinIntent
 
 log = structlog.get_logger("cohortgate")
 

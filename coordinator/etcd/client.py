@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from coordinator.etcd import etcd_pb2 as epb
-from coordinator.etcd import etcd_pb2_grpc as epb_grpc
+from cohortgate.coordinator.etcd import etcd_pb2 as epb
+from cohortgate.coordinator.etcd import etcd_pb2_grpc as epb_grpc
 
 _T = TypeVar("_T")
 

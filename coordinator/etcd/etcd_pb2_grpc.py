@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from coordinator.etcd import etcd_pb2 as coordinator_dot_etcd_dot_etcd__pb2
+from cohortgate.coordinator.etcd import etcd_pb2 as cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in coordinator/etcd/etcd_pb2_grpc.py depends on'
+        + ' but the generated code in cohortgate/coordinator/etcd/etcd_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class KVStub:
         """
         self.Range = channel.unary_unary(
                 '/etcdserverpb.KV/Range',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.RangeRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.RangeResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.RangeRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.RangeResponse.FromString,
                 _registered_method=True)
         self.Put = channel.unary_unary(
                 '/etcdserverpb.KV/Put',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.PutRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.PutResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.PutRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.DeleteRange = channel.unary_unary(
                 '/etcdserverpb.KV/DeleteRange',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeResponse.FromString,
                 _registered_method=True)
         self.Txn = channel.unary_unary(
                 '/etcdserverpb.KV/Txn',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.TxnRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.TxnResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.TxnRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.TxnResponse.FromString,
                 _registered_method=True)
 
 
@@ -88,23 +88,23 @@ def add_KVServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Range': grpc.unary_unary_rpc_method_handler(
                     servicer.Range,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.RangeRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.RangeResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.RangeRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.RangeResponse.SerializeToString,
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.PutRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.PutResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.PutRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.PutResponse.SerializeToString,
             ),
             'DeleteRange': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteRange,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeResponse.SerializeToString,
             ),
             'Txn': grpc.unary_unary_rpc_method_handler(
                     servicer.Txn,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.TxnRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.TxnResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.TxnRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.TxnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,8 +132,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/Range',
-            coordinator_dot_etcd_dot_etcd__pb2.RangeRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.RangeResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.RangeRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.RangeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -159,8 +159,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/Put',
-            coordinator_dot_etcd_dot_etcd__pb2.PutRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.PutResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.PutRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/DeleteRange',
-            coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.DeleteRangeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -213,8 +213,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/Txn',
-            coordinator_dot_etcd_dot_etcd__pb2.TxnRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.TxnResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.TxnRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.TxnResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -237,18 +237,18 @@ class LeaseStub:
         """
         self.LeaseGrant = channel.unary_unary(
                 '/etcdserverpb.Lease/LeaseGrant',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantResponse.FromString,
                 _registered_method=True)
         self.LeaseRevoke = channel.unary_unary(
                 '/etcdserverpb.Lease/LeaseRevoke',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeResponse.FromString,
                 _registered_method=True)
         self.LeaseKeepAlive = channel.stream_stream(
                 '/etcdserverpb.Lease/LeaseKeepAlive',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveResponse.FromString,
                 _registered_method=True)
 
 
@@ -278,18 +278,18 @@ def add_LeaseServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'LeaseGrant': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseGrant,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantResponse.SerializeToString,
             ),
             'LeaseRevoke': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseRevoke,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeResponse.SerializeToString,
             ),
             'LeaseKeepAlive': grpc.stream_stream_rpc_method_handler(
                     servicer.LeaseKeepAlive,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,8 +317,8 @@ class Lease:
             request,
             target,
             '/etcdserverpb.Lease/LeaseGrant',
-            coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseGrantResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -344,8 +344,8 @@ class Lease:
             request,
             target,
             '/etcdserverpb.Lease/LeaseRevoke',
-            coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseRevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -371,8 +371,8 @@ class Lease:
             request_iterator,
             target,
             '/etcdserverpb.Lease/LeaseKeepAlive',
-            coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.LeaseKeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -395,8 +395,8 @@ class AuthStub:
         """
         self.Authenticate = channel.unary_unary(
                 '/etcdserverpb.Auth/Authenticate',
-                request_serializer=coordinator_dot_etcd_dot_etcd__pb2.AuthenticateRequest.SerializeToString,
-                response_deserializer=coordinator_dot_etcd_dot_etcd__pb2.AuthenticateResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.AuthenticateResponse.FromString,
                 _registered_method=True)
 
 
@@ -414,8 +414,8 @@ def add_AuthServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Authenticate': grpc.unary_unary_rpc_method_handler(
                     servicer.Authenticate,
-                    request_deserializer=coordinator_dot_etcd_dot_etcd__pb2.AuthenticateRequest.FromString,
-                    response_serializer=coordinator_dot_etcd_dot_etcd__pb2.AuthenticateResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.AuthenticateRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.AuthenticateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,8 +443,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/Authenticate',
-            coordinator_dot_etcd_dot_etcd__pb2.AuthenticateRequest.SerializeToString,
-            coordinator_dot_etcd_dot_etcd__pb2.AuthenticateResponse.FromString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.AuthenticateRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_etcd_dot_etcd__pb2.AuthenticateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,8 +9,8 @@ it names the gRPC methods (/etcdserverpb.KV/Range). KeyValue is mvccpb's, declar
 (a message's package never reaches the wire).
 """
 
+from cohortgate.coordinator.etcd import etcd_pb2 as _etcd_pb2
 from collections import abc as _abc
-from coordinator.etcd import etcd_pb2 as _etcd_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from coordinator.etcd.client import EtcdError, EtcdThread, created_at, get_op, put_op
+from cohortgate.coordinator.etcd.client import EtcdError, EtcdThread, created_at, get_op, put_op
 
 log = structlog.get_logger("cohortgate")
 

@@ -8,17 +8,17 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import structlog
 
-from coordinator.contract import ranges
-from coordinator.contract.errors import AlreadyHeld, FailedPrecondition, Unavailable
-from coordinator.decision.cohort import Member, UploadKind
-from coordinator.decision.formation import FormationOptions, join_deadline
-from coordinator.decision.verdict import Verdict
-from coordinator.service.book import Book, ref_of
-from coordinator.service.calls import Calls
-from coordinator.service.events import JoinEvent, Progress, UploadAsk
-from coordinator.service.observers import Observer
-from coordinator.state.asks import UploadRef
-from coordinator.state.base import CohortStore, JoinIntent, JoinResult, LiveCohort
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.errors import AlreadyHeld, FailedPrecondition, Unavailable
+from cohortgate.coordinator.decision.cohort import Member, UploadKind
+from cohortgate.coordinator.decision.formation import FormationOptions, join_deadline
+from cohortgate.coordinator.decision.verdict import Verdict
+from cohortgate.coordinator.service.book import Book, ref_of
+from cohortgate.coordinator.service.calls import Calls
+from cohortgate.coordinator.service.events import JoinEvent, Progress, UploadAsk
+from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.base import CohortStore, JoinIntent, JoinResult, LiveCohort
 
 log = structlog.get_logger("cohortgate")
 

@@ -14,16 +14,16 @@ from collections.abc import Callable
 
 import structlog
 
-from coordinator.contract.errors import (
+from cohortgate.coordinator.contract.errors import (
     CoordinatorError,
     FailedPrecondition,
     InvalidArgument,
     LimitExceeded,
 )
-from coordinator.decision.audit import Answer, AuditFinding, CohortAudits, RankAudit
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.verdict import Level
-from coordinator.service.observers import Observer
+from cohortgate.coordinator.decision.audit import Answer, AuditFinding, CohortAudits, RankAudit
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.verdict import Level
+from cohortgate.coordinator.service.observers import Observer
 
 log = structlog.get_logger("cohortgate")
 

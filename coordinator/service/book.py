@@ -8,10 +8,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.decision.cohort import UploadKind
-from coordinator.service.events import Progress
-from coordinator.state.asks import UploadRef
-from coordinator.state.base import LiveCohort
+from cohortgate.coordinator.decision.cohort import UploadKind
+from cohortgate.coordinator.service.events import Progress
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.base import LiveCohort
 
 Key = tuple[str, int]  # (job, round)
 

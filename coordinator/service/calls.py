@@ -11,10 +11,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.decision.cohort import Member
-from coordinator.service.book import Key, key_of, ref_of
-from coordinator.state.asks import UploadRef
-from coordinator.state.base import LiveCohort
+from cohortgate.coordinator.decision.cohort import Member
+from cohortgate.coordinator.service.book import Key, key_of, ref_of
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.base import LiveCohort
 
 Alive = Callable[[], bool]
 

@@ -17,27 +17,27 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 
-from coordinator.contract.errors import Unavailable
-from coordinator.contract.limits import Limits
-from coordinator.contract.manifest import ManifestLike
-from coordinator.decision.audit import Answer, RankAudit
-from coordinator.decision.cohort import UploadKind
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.verdict import Outcome
-from coordinator.service.admission import Admission
-from coordinator.service.audits import Audits
-from coordinator.service.book import Book
-from coordinator.service.calls import Calls
-from coordinator.service.deciding import OFFLOAD_ABOVE, Decider
-from coordinator.service.delivery import Delivery
-from coordinator.service.events import JoinEvent, Progress
-from coordinator.service.observers import Observer
-from coordinator.service.status import CohortSummary, summarize
-from coordinator.service.uploads import Uploads
-from coordinator.service.watchers import WatchHub
-from coordinator.state.asks import UploadRef
-from coordinator.state.backends import open_cohorts
-from coordinator.state.base import CohortStore, JoinIntent, LiveCohort
+from cohortgate.coordinator.contract.errors import Unavailable
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.contract.manifest import ManifestLike
+from cohortgate.coordinator.decision.audit import Answer, RankAudit
+from cohortgate.coordinator.decision.cohort import UploadKind
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.verdict import Outcome
+from cohortgate.coordinator.service.admission import Admission
+from cohortgate.coordinator.service.audits import Audits
+from cohortgate.coordinator.service.book import Book
+from cohortgate.coordinator.service.calls import Calls
+from cohortgate.coordinator.service.deciding import OFFLOAD_ABOVE, Decider
+from cohortgate.coordinator.service.delivery import Delivery
+from cohortgate.coordinator.service.events import JoinEvent, Progress
+from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.service.status import CohortSummary, summarize
+from cohortgate.coordinator.service.uploads import Uploads
+from cohortgate.coordinator.service.watchers import WatchHub
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.backends import open_cohorts
+from cohortgate.coordinator.state.base import CohortStore, JoinIntent, LiveCohort
 
 # Listings of up to this many cohorts are exact; larger ones may be 0.25 s stale.
 LISTING_EXACT_UP_TO = 64

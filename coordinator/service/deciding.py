@@ -12,14 +12,14 @@ from concurrent.futures import ProcessPoolExecutor
 
 import structlog
 
-from coordinator.decision.cohort import Member
-from coordinator.decision.formation import FormationOptions
-from coordinator.decision.report import judge
-from coordinator.decision.verdict import Decision, Verdict
-from coordinator.service.book import Book
-from coordinator.service.calls import Calls
-from coordinator.service.observers import Observer
-from coordinator.state.base import CohortStore, LiveCohort
+from cohortgate.coordinator.decision.cohort import Member
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.report import judge
+from cohortgate.coordinator.decision.verdict import Decision, Verdict
+from cohortgate.coordinator.service.book import Book
+from cohortgate.coordinator.service.calls import Calls
+from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.state.base import CohortStore, LiveCohort
 
 log = structlog.get_logger("cohortgate")
 _DIGITS = re.compile(r"\d+")

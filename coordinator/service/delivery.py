@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import structlog
 
-from coordinator.service.book import Book
-from coordinator.service.calls import Calls
-from coordinator.service.observers import Observer
-from coordinator.state.base import LiveCohort
+from cohortgate.coordinator.service.book import Book
+from cohortgate.coordinator.service.calls import Calls
+from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.state.base import LiveCohort
 
 log = structlog.get_logger("cohortgate")
 

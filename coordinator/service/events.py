@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.decision.cohort import UploadKind
-from coordinator.decision.verdict import Verdict
-from coordinator.state.asks import UploadRef
+from cohortgate.coordinator.decision.cohort import UploadKind
+from cohortgate.coordinator.decision.verdict import Verdict
+from cohortgate.coordinator.state.asks import UploadRef
 
 
 @dataclass(frozen=True)

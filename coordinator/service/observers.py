@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coordinator.service.metrics import Metrics
-from coordinator.state.base import LiveCohort, VerdictRow, VerdictStore
+from cohortgate.coordinator.service.metrics import Metrics
+from cohortgate.coordinator.state.base import LiveCohort, VerdictRow, VerdictStore
 
 
 class Observer:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from coordinator.decision.formation import FormationOptions, join_deadline
-from coordinator.decision.verdict import Cause
-from coordinator.service.book import Tracked
-from coordinator.state.base import LiveCohort
+from cohortgate.coordinator.decision.formation import FormationOptions, join_deadline
+from cohortgate.coordinator.decision.verdict import Cause
+from cohortgate.coordinator.service.book import Tracked
+from cohortgate.coordinator.state.base import LiveCohort
 
 
 @dataclass(frozen=True)

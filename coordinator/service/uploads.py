@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import structlog
 
-from coordinator.contract.digests import combine_uploaded
-from coordinator.contract.manifest import ManifestLike
-from coordinator.decision.cohort import UploadKind
-from coordinator.service.observers import Observer
-from coordinator.state.asks import UploadRef
-from coordinator.state.base import CohortStore, InvalidUpload, LiveCohort
+from cohortgate.coordinator.contract.digests import combine_uploaded
+from cohortgate.coordinator.contract.manifest import ManifestLike
+from cohortgate.coordinator.decision.cohort import UploadKind
+from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.state.asks import UploadRef
+from cohortgate.coordinator.state.base import CohortStore, InvalidUpload, LiveCohort
 
 log = structlog.get_logger("cohortgate")
 

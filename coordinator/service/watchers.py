@@ -15,9 +15,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from coordinator.contract.errors import LimitExceeded
-from coordinator.contract.limits import Limits
-from coordinator.service.status import CohortSummary
+from cohortgate.coordinator.contract.errors import LimitExceeded
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.service.status import CohortSummary
 
 Key = tuple[str, int]  # (job, round)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
+from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
 
 
 class UploadRef(NamedTuple):

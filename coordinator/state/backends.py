@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coordinator.contract.limits import Limits
-from coordinator.state.base import CohortStore, VerdictStore
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.state.base import CohortStore, VerdictStore
 
 if TYPE_CHECKING:
-    from coordinator.etcd.client import EtcdThread
+    from cohortgate.coordinator.etcd.client import EtcdThread
 
 
 def open_verdicts(
@@ -22,7 +22,7 @@ def open_verdicts(
 ) -> VerdictStore:
     """The verdict store `spec` names (a SQLite file path). Raises OSError with one line
     to print when it cannot be used."""
-    from coordinator.state.history import History
+    from cohortgate.coordinator.state.history import History
 
     return History(spec, retention_days, readonly=readonly)
 
@@ -33,7 +33,7 @@ def open_cohorts(
     limits: Limits | None = None,
 ) -> CohortStore:
     """Live cohorts, in the leading coordinator's memory; rounds continue from `verdicts`."""
-    from coordinator.state.memory import MemoryStore
+    from cohortgate.coordinator.state.memory import MemoryStore
 
     return MemoryStore(clock, verdicts.last_round if verdicts is not None else lambda _: 0, limits)
 
@@ -49,6 +49,6 @@ def open_etcd_verdicts(
     """The verdict history in etcd (serve --etcd): writes fenced by `token()`, the leader
     key's create revision while this replica leads; `lost(why)` steps it down when a fenced
     write fails. Raises OSError with one line to print when etcd cannot be read."""
-    from coordinator.state.etcd_history import EtcdHistory
+    from cohortgate.coordinator.state.etcd_history import EtcdHistory
 
     return EtcdHistory(etcd, retention_days, token=token, lost=lost, readonly=readonly)

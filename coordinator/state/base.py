@@ -11,13 +11,13 @@ import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.contract import ranges
-from coordinator.contract.errors import InvalidArgument
-from coordinator.contract.manifest import ManifestLike
-from coordinator.decision.audit import AuditFinding
-from coordinator.decision.cohort import CohortState, Member, UploadKind
-from coordinator.decision.verdict import Decision, Verdict
-from coordinator.state.asks import Asks, UploadRef
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.errors import InvalidArgument
+from cohortgate.coordinator.contract.manifest import ManifestLike
+from cohortgate.coordinator.decision.audit import AuditFinding
+from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind
+from cohortgate.coordinator.decision.verdict import Decision, Verdict
+from cohortgate.coordinator.state.asks import Asks, UploadRef
 
 
 class InvalidUpload(InvalidArgument):

@@ -29,12 +29,12 @@ from urllib.parse import quote
 
 import structlog
 
-from coordinator.contract.errors import Unavailable
-from coordinator.decision.audit import AuditFinding
-from coordinator.decision.verdict import Verdict
-from coordinator.etcd.client import EtcdError, EtcdThread, created_at, prefix_end, put_op
-from coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
-from coordinator.state.records import (
+from cohortgate.coordinator.contract.errors import Unavailable
+from cohortgate.coordinator.decision.audit import AuditFinding
+from cohortgate.coordinator.decision.verdict import Verdict
+from cohortgate.coordinator.etcd.client import EtcdError, EtcdThread, created_at, prefix_end, put_op
+from cohortgate.coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
+from cohortgate.coordinator.state.records import (
     members_from_text,
     members_to_text,
     received,

@@ -21,11 +21,11 @@ from typing import TypeVar
 
 import structlog
 
-from coordinator.contract.errors import Unavailable
-from coordinator.decision.audit import AuditFinding
-from coordinator.decision.verdict import Verdict
-from coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
-from coordinator.state.records import (
+from cohortgate.coordinator.contract.errors import Unavailable
+from cohortgate.coordinator.decision.audit import AuditFinding
+from cohortgate.coordinator.decision.verdict import Verdict
+from cohortgate.coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
+from cohortgate.coordinator.state.records import (
     members_from_text,
     members_to_text,
     received,

@@ -5,20 +5,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.contract.digests import DIGEST_BYTES, combine_uploaded, files_field
-from coordinator.contract.errors import (
+from cohortgate.coordinator.contract.digests import DIGEST_BYTES, combine_uploaded, files_field
+from cohortgate.coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
     InvalidArgument,
     LimitExceeded,
     NotFound,
 )
-from coordinator.contract.limits import Limits
-from coordinator.contract.manifest import HeldManifest, ManifestLike
-from coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
-from coordinator.decision.verdict import Decision, Outcome, Verdict
-from coordinator.state.asks import UploadRef, key_of, uploaded
-from coordinator.state.base import CohortStore, InvalidUpload, JoinIntent, JoinResult, LiveCohort
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.contract.manifest import HeldManifest, ManifestLike
+from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
+from cohortgate.coordinator.decision.verdict import Decision, Outcome, Verdict
+from cohortgate.coordinator.state.asks import UploadRef, key_of, uploaded
+from cohortgate.coordinator.state.base import (
+    CohortStore,
+    InvalidUpload,
+    JoinIntent,
+    JoinResult,
+    LiveCohort,
+)
 
 # The most one manifest entry takes on the wire (a 1,024-character name, 64 dimensions and
 # strides, dtype, alias): an upload larger than its announced entries allow is refused

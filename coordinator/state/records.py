@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from coordinator.contract import ranges
-from coordinator.contract.diff import ManifestDiff
-from coordinator.decision.verdict import Cause, Finding, Outcome, SignatureClass, Verdict
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.diff import ManifestDiff
+from cohortgate.coordinator.decision.verdict import Cause, Finding, Outcome, SignatureClass, Verdict
 
 
 def verdict_to_json(v: Verdict) -> str:

@@ -375,7 +375,7 @@ class JoinRequest(_message.Message):
     rank each second is most of the coordinator's work and nobody reads it.
     """
     weights_digest: _builtins.bytes
-    """agent.join(verify_values=True): SHA-256 over the per-tensor content digests of the
+    """cohortgate.join(verify_values=True): SHA-256 over the per-tensor content digests of the
     weights, 32 bytes; empty when values are not checked.
     """
     weights_digest_format: _builtins.int
@@ -423,7 +423,7 @@ class JoinRequest(_message.Message):
 
     @_builtins.property
     def facts(self) -> Global___Fingerprint:
-        """agent.join(facts={...}): tokenizer, data mix, resume step..."""
+        """cohortgate.join(facts={...}): tokenizer, data mix, resume step..."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from coordinator.api.v1 import cohort_pb2 as coordinator_dot_api_dot_v1_dot_cohort__pb2
+from cohortgate.coordinator.api.v1 import cohort_pb2 as cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in coordinator/api/v1/cohort_pb2_grpc.py depends on'
+        + ' but the generated code in cohortgate/coordinator/api/v1/cohort_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,53 +38,53 @@ class CohortServiceStub:
         """
         self.Join = channel.unary_stream(
                 '/cohortgate.v1.CohortService/Join',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
                 _registered_method=True)
         self.UploadManifest = channel.unary_unary(
                 '/cohortgate.v1.CohortService/UploadManifest',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
                 _registered_method=True)
         self.JoinGroup = channel.unary_stream(
                 '/cohortgate.v1.CohortService/JoinGroup',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
                 _registered_method=True)
         self.UploadDigests = channel.unary_unary(
                 '/cohortgate.v1.CohortService/UploadDigests',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
                 _registered_method=True)
         self.UploadFiles = channel.unary_unary(
                 '/cohortgate.v1.CohortService/UploadFiles',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.FromString,
                 _registered_method=True)
         self.UploadManifestChunks = channel.stream_unary(
                 '/cohortgate.v1.CohortService/UploadManifestChunks',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
                 _registered_method=True)
         self.UploadDigestsChunks = channel.stream_unary(
                 '/cohortgate.v1.CohortService/UploadDigestsChunks',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
                 _registered_method=True)
         self.JoinPoll = channel.unary_unary(
                 '/cohortgate.v1.CohortService/JoinPoll',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
                 _registered_method=True)
         self.Audit = channel.unary_unary(
                 '/cohortgate.v1.CohortService/Audit',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
                 _registered_method=True)
         self.Settings = channel.unary_unary(
                 '/cohortgate.v1.CohortService/Settings',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.FromString,
                 _registered_method=True)
 
 
@@ -184,53 +184,53 @@ def add_CohortServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Join': grpc.unary_stream_rpc_method_handler(
                     servicer.Join,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
             ),
             'UploadManifest': grpc.unary_unary_rpc_method_handler(
                     servicer.UploadManifest,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.SerializeToString,
             ),
             'JoinGroup': grpc.unary_stream_rpc_method_handler(
                     servicer.JoinGroup,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
             ),
             'UploadDigests': grpc.unary_unary_rpc_method_handler(
                     servicer.UploadDigests,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
             ),
             'UploadFiles': grpc.unary_unary_rpc_method_handler(
                     servicer.UploadFiles,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.SerializeToString,
             ),
             'UploadManifestChunks': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadManifestChunks,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.SerializeToString,
             ),
             'UploadDigestsChunks': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadDigestsChunks,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.SerializeToString,
             ),
             'JoinPoll': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinPoll,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.SerializeToString,
             ),
             'Audit': grpc.unary_unary_rpc_method_handler(
                     servicer.Audit,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.SerializeToString,
             ),
             'Settings': grpc.unary_unary_rpc_method_handler(
                     servicer.Settings,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,8 +260,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/Join',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -287,8 +287,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/UploadManifest',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -314,8 +314,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/JoinGroup',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -341,8 +341,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/UploadDigests',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -368,8 +368,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/UploadFiles',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadFilesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -395,8 +395,8 @@ class CohortService:
             request_iterator,
             target,
             '/cohortgate.v1.CohortService/UploadManifestChunks',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadManifestResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -422,8 +422,8 @@ class CohortService:
             request_iterator,
             target,
             '/cohortgate.v1.CohortService/UploadDigestsChunks',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadChunk.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.UploadDigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -449,8 +449,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/JoinPoll',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinGroupRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.JoinEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -476,8 +476,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/Audit',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.AuditReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -503,8 +503,8 @@ class CohortService:
             request,
             target,
             '/cohortgate.v1.CohortService/Settings',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.SettingsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -528,28 +528,28 @@ class StatusServiceStub:
         """
         self.ListCohorts = channel.unary_unary(
                 '/cohortgate.v1.StatusService/ListCohorts',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.FromString,
                 _registered_method=True)
         self.GetCohort = channel.unary_unary(
                 '/cohortgate.v1.StatusService/GetCohort',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.FromString,
                 _registered_method=True)
         self.WatchCohorts = channel.unary_stream(
                 '/cohortgate.v1.StatusService/WatchCohorts',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.FromString,
                 _registered_method=True)
         self.GetVerdict = channel.unary_unary(
                 '/cohortgate.v1.StatusService/GetVerdict',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
                 _registered_method=True)
         self.ListAudits = channel.unary_unary(
                 '/cohortgate.v1.StatusService/ListAudits',
-                request_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.FromString,
+                request_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.SerializeToString,
+                response_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.FromString,
                 _registered_method=True)
 
 
@@ -596,28 +596,28 @@ def add_StatusServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ListCohorts': grpc.unary_unary_rpc_method_handler(
                     servicer.ListCohorts,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.SerializeToString,
             ),
             'GetCohort': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCohort,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.SerializeToString,
             ),
             'WatchCohorts': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchCohorts,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.SerializeToString,
             ),
             'GetVerdict': grpc.unary_unary_rpc_method_handler(
                     servicer.GetVerdict,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.SerializeToString,
             ),
             'ListAudits': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAudits,
-                    request_deserializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.SerializeToString,
+                    request_deserializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.FromString,
+                    response_serializer=cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -646,8 +646,8 @@ class StatusService:
             request,
             target,
             '/cohortgate.v1.StatusService/ListCohorts',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListCohortsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -673,8 +673,8 @@ class StatusService:
             request,
             target,
             '/cohortgate.v1.StatusService/GetCohort',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.GetCohortRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortDetail.FromString,
             options,
             channel_credentials,
             insecure,
@@ -700,8 +700,8 @@ class StatusService:
             request,
             target,
             '/cohortgate.v1.StatusService/WatchCohorts',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.WatchCohortsRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.CohortSummary.FromString,
             options,
             channel_credentials,
             insecure,
@@ -727,8 +727,8 @@ class StatusService:
             request,
             target,
             '/cohortgate.v1.StatusService/GetVerdict',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.GetVerdictRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.VerdictRecord.FromString,
             options,
             channel_credentials,
             insecure,
@@ -754,8 +754,8 @@ class StatusService:
             request,
             target,
             '/cohortgate.v1.StatusService/ListAudits',
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.SerializeToString,
-            coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.FromString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsRequest.SerializeToString,
+            cohortgate_dot_coordinator_dot_api_dot_v1_dot_cohort__pb2.ListAuditsResponse.FromString,
             options,
             channel_credentials,
             insecure,

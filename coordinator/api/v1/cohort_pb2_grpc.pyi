@@ -3,8 +3,8 @@
 isort:skip_file
 cohortgate's wire contract: ranks join a cohort and wait for its verdict."""
 
+from cohortgate.coordinator.api.v1 import cohort_pb2 as _cohort_pb2
 from collections import abc as _abc
-from coordinator.api.v1 import cohort_pb2 as _cohort_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

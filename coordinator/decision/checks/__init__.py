@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from coordinator.decision.checks.agreement import AGREEMENT_CHECKS
-from coordinator.decision.checks.audit import AuditCheck
-from coordinator.decision.checks.base import Check, Context, Result
-from coordinator.decision.checks.coverage import CoverageCheck
-from coordinator.decision.checks.layout import LayoutCheck
-from coordinator.decision.checks.model import ModelCheck
-from coordinator.decision.checks.runtime import RUNTIME_CHECKS
-from coordinator.decision.checks.weights import WeightsCheck
-from coordinator.decision.verdict import Finding, Level, warnings
+from cohortgate.coordinator.decision.checks.agreement import AGREEMENT_CHECKS
+from cohortgate.coordinator.decision.checks.audit import AuditCheck
+from cohortgate.coordinator.decision.checks.base import Check, Context, Result
+from cohortgate.coordinator.decision.checks.coverage import CoverageCheck
+from cohortgate.coordinator.decision.checks.layout import LayoutCheck
+from cohortgate.coordinator.decision.checks.model import ModelCheck
+from cohortgate.coordinator.decision.checks.runtime import RUNTIME_CHECKS
+from cohortgate.coordinator.decision.checks.weights import WeightsCheck
+from cohortgate.coordinator.decision.verdict import Finding, Level, warnings
 
 # The config precedes the model: a config that differs is why shapes differ (n_layer,
 # hidden_size on one rank), so it is the cause, and its fields lead the report; the shape

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from coordinator.contract.fingerprint import AGREED, Fields, disagreements
-from coordinator.decision.checks.base import Check, Context, Refused, Result
-from coordinator.decision.checks.code_files import files_lines, wanted_files
-from coordinator.decision.verdict import Cause, Finding, Level
-from coordinator.decision.words import all_ranks
+from cohortgate.coordinator.contract.fingerprint import AGREED, Fields, disagreements
+from cohortgate.coordinator.decision.checks.base import Check, Context, Refused, Result
+from cohortgate.coordinator.decision.checks.code_files import files_lines, wanted_files
+from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
+from cohortgate.coordinator.decision.words import all_ranks
 
 
 class AgreementCheck(Check):
@@ -28,7 +28,7 @@ class AgreementCheck(Check):
         self.refusal = f"ranks {what}"  # type: ignore[misc]
         self.head = f"they {what}"  # type: ignore[misc]
         self.advice = advice  # type: ignore[misc]
-        self.help = f"every rank sends the same {AGREED[name]}"  # type: ignore[misc]
+        self.help = f"every rank sends the same {AGREED[name].removeprefix('the ')}"  # type: ignore[misc]
         self.partial_strict = partial_strict
 
     def run(self, ctx: Context, level: Level) -> Result:
@@ -126,7 +126,7 @@ AGREEMENT_CHECKS = (
         Level.STRICT,
         Cause.FACTS,
         "disagree on declared facts",
-        "the ranks declared different facts (agent.join(facts=...)): make them load the same "
+        "the ranks declared different facts (cohortgate.join(facts=...)): make them load the same "
         "tokenizer, data and checkpoint, then relaunch.",
         partial_strict=True,
     ),

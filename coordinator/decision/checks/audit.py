@@ -7,8 +7,8 @@ audits."""
 
 from __future__ import annotations
 
-from coordinator.decision.checks.base import Check, Context, Result
-from coordinator.decision.verdict import Cause, Level
+from cohortgate.coordinator.decision.checks.base import Check, Context, Result
+from cohortgate.coordinator.decision.verdict import Cause, Level
 
 
 class AuditCheck(Check):

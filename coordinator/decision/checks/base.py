@@ -7,13 +7,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from coordinator.contract import ranges
-from coordinator.contract.diff import ManifestDiff
-from coordinator.contract.layout import Layout
-from coordinator.contract.ranges import by_value
-from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Cause, Decision, DiffKey, Finding, Level, SignatureClass
-from coordinator.decision.words import all_ranks, class_lines, culprits_headline, refused
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.diff import ManifestDiff
+from cohortgate.coordinator.contract.layout import Layout
+from cohortgate.coordinator.contract.ranges import by_value
+from cohortgate.coordinator.decision.cohort import CohortState
+from cohortgate.coordinator.decision.verdict import (
+    Cause,
+    Decision,
+    DiffKey,
+    Finding,
+    Level,
+    SignatureClass,
+)
+from cohortgate.coordinator.decision.words import all_ranks, class_lines, culprits_headline, refused
 
 
 @dataclass

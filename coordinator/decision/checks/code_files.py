@@ -6,10 +6,10 @@ The ask costs nothing when the ranks agree: only the one field is sent at join."
 
 from __future__ import annotations
 
-from coordinator.contract import ranges
-from coordinator.decision.checks.base import Context
-from coordinator.decision.cohort import CohortState, modules_key
-from coordinator.decision.words import hosts as host_list
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.decision.checks.base import Context
+from cohortgate.coordinator.decision.cohort import CohortState, modules_key
+from cohortgate.coordinator.decision.words import hosts as host_list
 
 CLASSES_ASKED = 8  # code file lists asked for at most (the largest classes)
 FILES_SHOWN = 8

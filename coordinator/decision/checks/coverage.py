@@ -7,13 +7,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from coordinator.contract.layout import Layout
-from coordinator.contract.ranges import by_value
-from coordinator.decision import coverage
-from coordinator.decision.checks.base import Context, Result
-from coordinator.decision.checks.layout import LayeredCheck
-from coordinator.decision.pieces import CohortPieces, Rows
-from coordinator.decision.verdict import Finding, Level
+from cohortgate.coordinator.contract.layout import Layout
+from cohortgate.coordinator.contract.ranges import by_value
+from cohortgate.coordinator.decision import coverage
+from cohortgate.coordinator.decision.checks.base import Context, Result
+from cohortgate.coordinator.decision.checks.layout import LayeredCheck
+from cohortgate.coordinator.decision.pieces import CohortPieces, Rows
+from cohortgate.coordinator.decision.verdict import Finding, Level
 
 # Tensors that fail, examined one by one to name their problems; past this, counted.
 DETAILED = 64

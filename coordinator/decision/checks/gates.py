@@ -4,10 +4,10 @@ words, as a check does."""
 
 from __future__ import annotations
 
-from coordinator.contract import ranges
-from coordinator.decision.checks.base import Refused, Words
-from coordinator.decision.verdict import Cause
-from coordinator.decision.words import hosts, plural, refused
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.decision.checks.base import Refused, Words
+from cohortgate.coordinator.decision.verdict import Cause
+from cohortgate.coordinator.decision.words import hosts, plural, refused
 
 
 class LaunchGate(Words):
@@ -62,7 +62,7 @@ class DeadlineGate(Words):
             f"missing ranks: {ranges.compress(missing)}",
             f"present ranks: {ranges.compress(present) or 'none'}"
             + (f" on {hosts(held)}" if held else ""),
-            "What to do: find out why the missing ranks never reached agent.join() (their "
+            "What to do: find out why the missing ranks never reached cohortgate.join() (their "
             "logs, their nodes), or raise the deadline with --join-deadline.",
         ]
         return "\n".join(lines)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from coordinator.contract import ranges
-from coordinator.contract.layout import AXES, Layout
-from coordinator.decision.checks.base import Check, Context, Result, disagreement
-from coordinator.decision.verdict import Cause, Finding, Level
-from coordinator.decision.words import MODEL_ADVICE
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.layout import AXES, Layout
+from cohortgate.coordinator.decision.checks.base import Check, Context, Result, disagreement
+from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
+from cohortgate.coordinator.decision.words import MODEL_ADVICE
 
 # Under a layout the layout, coverage and model checks together are its layered identity.
 LAYERED = ("layout", "coverage", "model")

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coordinator.contract.layout import Layout
-from coordinator.decision.checks.base import Check, Context, Refused, Result, disagreement
-from coordinator.decision.checks.layout import layered_reason
-from coordinator.decision.classes import replica_classes, signature_classes
-from coordinator.decision.verdict import Cause, Finding, Level
-from coordinator.decision.words import MODEL_ADVICE, all_ranks
+from cohortgate.coordinator.contract.layout import Layout
+from cohortgate.coordinator.decision.checks.base import (
+    Check,
+    Context,
+    Refused,
+    Result,
+    disagreement,
+)
+from cohortgate.coordinator.decision.checks.layout import layered_reason
+from cohortgate.coordinator.decision.classes import replica_classes, signature_classes
+from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
+from cohortgate.coordinator.decision.words import MODEL_ADVICE, all_ranks
 
 # Global fingerprint fields of a layout that name the model itself.
 _FINGERPRINT: dict[str, Callable[[Layout], str]] = {

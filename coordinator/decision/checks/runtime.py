@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coordinator.decision.checks.base import Check, Context, Result, disagreement
-from coordinator.decision.verdict import Cause, Finding, Level
+from cohortgate.coordinator.decision.checks.base import Check, Context, Result, disagreement
+from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
 
 
 def _major_minor(version: str) -> str:

@@ -1,4 +1,4 @@
-"""The `weights` check: replicas start from the same weights (agent.join(verify_values=True)).
+"""The `weights` check: replicas start from the same weights (cohortgate.join(verify_values=True)).
 
 It runs last, once every other check passes: when replicas differ it asks one rank per
 weights digest for its per-tensor digests, to name the tensors that differ.
@@ -6,13 +6,13 @@ weights digest for its per-tensor digests, to name the tensors that differ.
 
 from __future__ import annotations
 
-from coordinator.contract import ranges
-from coordinator.contract.digests import differing
-from coordinator.decision.checks.base import Check, Context, Refused, Result
-from coordinator.decision.classes import weight_classes
-from coordinator.decision.cohort import CohortState
-from coordinator.decision.verdict import Cause, Finding, Level
-from coordinator.decision.words import all_ranks
+from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.contract.digests import differing
+from cohortgate.coordinator.decision.checks.base import Check, Context, Refused, Result
+from cohortgate.coordinator.decision.classes import weight_classes
+from cohortgate.coordinator.decision.cohort import CohortState
+from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
+from cohortgate.coordinator.decision.words import all_ranks
 
 NAMES_SHOWN = 10
 # A weights refusal's kind -> the words its reason uses
@@ -43,13 +43,13 @@ WEIGHT_ADVICE = {
     "values": "every replica must start from the same weights: seed every rank alike, load "
     "the same checkpoint everywhere (look for a stale copy on the hosts named), or broadcast "
     "the weights from one rank before joining.",
-    "unsent": "call agent.join(model, verify_values=True) (or agent.init_process_group(..., "
-    "verify_values=True)) on every rank, or turn the check off for this job with "
-    "--job-policy JOB:weights=off.",
+    "unsent": "call cohortgate.join(model, verify_values=True) (or "
+    "cohortgate.init_process_group(..., verify_values=True)) on every rank, or turn the check "
+    "off for this job with --job-policy JOB:weights=off.",
     "buffers": "compare the model config on the ranks named (for example rope_theta, "
     "rope_scaling, max_position_embeddings): buffers such as rotary frequencies are computed "
     "from it. Load one config everywhere.",
-    "sharded": "declare the layout (agent.layout(...) passed as layout=) so that only the "
+    "sharded": "declare the layout (cohortgate.layout(...) passed as layout=) so that only the "
     "ranks holding the same shard are compared, or join without verify_values.",
 }
 
@@ -84,7 +84,7 @@ class WeightsCheck(Check):
                     self.name,
                     level,
                     f"{len(unsent)} rank(s) {ranges.compress_capped(unsent)} sent no weight "
-                    "digest; call agent.join(model, verify_values=True) on every rank",
+                    "digest; call cohortgate.join(model, verify_values=True) on every rank",
                     tuple(unsent),
                 )
             )

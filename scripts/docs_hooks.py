@@ -1,0 +1,257 @@
+"""MkDocs hook: the reference pages' tables come from the code at build time, never typed twice.
+
+A page holds a marker `<!-- generated: NAME -->`; `on_page_markdown` replaces it with what
+`GENERATED[NAME]()` renders from the code: the CLI's flags (from its argparse parsers, which
+are generated from the settings models), the metrics (from a fresh registry), the checks and
+their words (from the check registry) and the gRPC API (from the .proto's comments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    from cohortgate.coordinator.cli.main import build_parser
+
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def cli() -> str:
+    """Every command with every flag: its help says its meaning, default and variable."""
+    from cohortgate.coordinator.cli.run import RUN_USAGE
+
+    out = []
+    for name, parser in _subparsers().items():
+        out.append(f"## cohortgate {name}\n")
+        if name == "run":  # its own usage text: the rest goes to torchrun unchanged
+            out.append(f"```text\n{RUN_USAGE}```\n")
+            continue
+        if parser.description:
+            out.append(_cell(parser.description) + "\n")
+        rows = ["| flag | meaning (default; variable) |", "| --- | --- |"]
+        for action in parser._actions:
+            if not action.option_strings or "--help" in action.option_strings:
+                continue
+            flags = ", ".join(f"`{o}`" for o in action.option_strings)
+            if action.metavar and action.nargs != 0:
+                flags += f" `{action.metavar}`"
+            elif action.choices:
+                flags += " `" + "|".join(map(str, action.choices)) + "`"
+            positional = ""
+            rows.append(f"| {flags} | {_cell(action.help or '')}{positional} |")
+        positional_rows = [
+            f"| `{a.metavar or a.dest}` | {_cell(a.help or '')} |"
+            for a in parser._actions
+            if not a.option_strings and a.help != argparse.SUPPRESS
+        ]
+        out.append("\n".join(rows[:2] + positional_rows + rows[2:]) + "\n")
+    return "\n".join(out)
+
+
+def metrics() -> str:
+    """Every `cohortgate_*` metric the coordinator exports, from a fresh registry."""
+    from cohortgate.coordinator.service.metrics import Metrics
+
+    rows = ["| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
+    seen = set()
+    for collector in list(Metrics().registry._collector_to_names):
+        labels = ", ".join(f"`{n}`" for n in getattr(collector, "_labelnames", ()))
+        for family in collector.describe():
+            if family.name in seen:
+                continue
+            seen.add(family.name)
+            name = family.name + ("_total" if family.type == "counter" else "")
+            rows.append(f"| `{name}` | {family.type} | {labels} | {_cell(family.documentation)} |")
+    return "\n".join(rows[:2] + sorted(rows[2:])) + "\n"
+
+
+def checks() -> str:
+    """The checks in the order they run, with their default level and their words."""
+    from cohortgate.coordinator.decision.checks import CHECKS
+
+    out = ["| check | default | cause | what it compares |", "| --- | --- | --- | --- |"]
+    out += [f"| `{c.name}` | {c.default} | `{c.cause}` | {_cell(c.help)} |" for c in CHECKS]
+    out.append("")
+    for c in CHECKS:
+        out.append(f"### `{c.name}`\n")
+        out.append(f"- refused because: {_cell(c.refusal)}")
+        out.append(f"- the report opens: *all N ranks joined, but {_cell(c.head)}.*")
+        out.append(f"- What to do: {_cell(c.advice)}\n")
+    return "\n".join(out)
+
+
+def causes() -> str:
+    """Every cause a verdict can carry (`Verdict.cause` on the wire, `cause` in history)."""
+    from cohortgate.coordinator.decision.verdict import Cause
+
+    return "\n".join(f"- `{c.value}`" for c in Cause) + "\n"
+
+
+def example_refusal() -> str:
+    """A real refusal, decided here: rank 2 of 4 built a wider layer."""
+    from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+    from cohortgate.coordinator.decision.cohort import CohortState, Member
+    from cohortgate.coordinator.decision.formation import FormationOptions
+    from cohortgate.coordinator.decision.report import judge
+
+    def manifest(width: int) -> Manifest:
+        return Manifest.of(
+            [
+                Entry(Kind.PARAMETER, "fc.weight", "float32", (width, 4), True),
+                Entry(Kind.PARAMETER, "fc.bias", "float32", (width,), True),
+            ]
+        )
+
+    cohort = CohortState("job-42", 1, 4, first_join_at=0.0)
+    for rank in range(4):
+        m = manifest(16 if rank == 2 else 8)
+        member = Member(
+            rank=rank,
+            host=f"node{rank // 2}",
+            pid=1000 + rank,
+            incarnation=f"inc{rank}",
+            signature=m.signature(),
+            manifest_entries=len(m),
+        )
+        cohort.add(member, 0.0)
+        cohort.manifests[m.signature()] = m
+    _, verdict = judge(cohort, 1.0, FormationOptions())
+    assert verdict is not None, "the example cohort was not decided"
+    return f"```text\n{verdict.headline}\n\n{verdict.report}\n```\n"
+
+
+def grpc_api() -> str:
+    """The services and their methods with the comments above them in cohort.proto."""
+    proto = REPO / "proto" / "cohortgate" / "coordinator" / "api" / "v1" / "cohort.proto"
+    out, comment = [], []
+    for line in proto.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("//"):
+            comment.append(stripped.removeprefix("//").strip())
+            continue
+        service = re.match(r"service (\w+)", stripped)
+        rpc = re.match(r"rpc (\w+)\((stream )?(\w+)\) returns \((stream )?(\w+)\)", stripped)
+        if service:
+            out.append(f"\n## `{service.group(1)}`\n\n{' '.join(comment)}\n")
+            out.append("| method | request | response | what it does |\n| --- | --- | --- | --- |")
+        elif rpc:
+            req = f"{rpc.group(2) or ''}`{rpc.group(3)}`"
+            resp = f"{rpc.group(4) or ''}`{rpc.group(5)}`"
+            out.append(f"| `{rpc.group(1)}` | {req} | {resp} | {_cell(' '.join(comment))} |")
+        comment = []
+    return "\n".join(out) + "\n"
+
+
+GENERATED: dict[str, Callable[[], str]] = {
+    "cli": cli,
+    "metrics": metrics,
+    "checks": checks,
+    "causes": causes,
+    "example-refusal": example_refusal,
+    "grpc-api": grpc_api,
+}
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    def render(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in GENERATED:
+            raise KeyError(f"docs: no generated section {name!r} (known: {sorted(GENERATED)})")
+        return GENERATED[name]()
+
+    return MARKER.sub(render, markdown)
+
+
+# -- commands in the docs: a flag renamed in the code fails the build ------------------------
+BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+SHELL = ("sh", "bash", "console")
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+def _known() -> dict[str, set[str]]:
+    """command -> the options it takes; `run` takes its own and torchrun's."""
+    from torch.distributed.run import get_args_parser
+
+    from cohortgate.coordinator.cli.run import OWN_OPTIONS
+
+    known = {f"cohortgate {name}": _options(p) for name, p in _subparsers().items()}
+    torchrun = _options(get_args_parser())
+    known["cohortgate run"] = set(OWN_OPTIONS) | torchrun
+    known["torchrun"] = torchrun
+    return known
+
+
+def _commands(script: str) -> list[list[str]]:
+    """The simple commands of a shell snippet (continuations joined, comments dropped)."""
+    import shlex
+
+    out = []
+    for line in script.replace("\\\n", " ").splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        command: list[str] = []
+        for word in [*words, ";"]:
+            if word in (";", "&&", "||", "|", "&"):
+                out.append(command)
+                command = []
+            else:
+                command.append(word)
+    return [c for c in out if c]
+
+
+def unknown_flags(markdown: str, known: dict[str, set[str]] | None = None) -> list[str]:
+    """`cohortgate COMMAND --flag` and `torchrun --flag` in the shell blocks of `markdown`
+    whose flag the command does not take (options after the script are the script's)."""
+    known = _known() if known is None else known
+    found = []
+    for block in BLOCK.finditer(markdown):
+        if block.group(1) not in SHELL:
+            continue
+        for command in _commands(block.group(2)):
+            words = [w for w in command if "=" not in w or w.startswith("-")]  # VAR=x cmd
+            for i, word in enumerate(words):
+                name = Path(word).name
+                key = (
+                    f"cohortgate {words[i + 1]}"
+                    if name == "cohortgate" and i + 1 < len(words)
+                    else name
+                )
+                if key not in known:
+                    continue
+                for arg in words[i + 1 :]:
+                    if arg.endswith(".py") or arg == "-m":
+                        break
+                    flag = arg.split("=", 1)[0]
+                    if flag.startswith("--") and flag not in known[key]:
+                        found.append(f"{key} {flag}")
+                break
+    return found
+
+
+def on_files(files: Any, config: Any) -> Any:
+    bad = {
+        f.src_uri: unknown
+        for f in files.documentation_pages()
+        if (unknown := unknown_flags(Path(f.abs_src_path).read_text()))
+    }
+    if bad:
+        raise ValueError(f"docs name flags their commands do not take: {bad}")
+    return files
