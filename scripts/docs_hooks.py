@@ -155,6 +155,102 @@ def grpc_api() -> str:
     return "\n".join(out) + "\n"
 
 
+def dashboard_svg() -> str:
+    """The Grafana dashboard (deploy/grafana/) drawn from its JSON: each panel where Grafana
+    places it (a 24-column grid), with its title, kind and first query."""
+    import html
+    import json
+
+    board = json.loads((REPO / "deploy" / "grafana" / "cohortgate-dashboard.json").read_text())
+    col, row, pad = 40, 26, 4
+    height = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in board["panels"]) * row
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{24 * col}" height="{height + 30}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<rect width="100%" height="100%" fill="#111217"/><text x="8" y="20" fill="#ccc" '
+        f'font-size="15">{html.escape(board["title"])} (Grafana, deploy/grafana/)</text>',
+    ]
+    for panel in board["panels"]:
+        g = panel["gridPos"]
+        x, y, w, h = g["x"] * col, g["y"] * row + 30, g["w"] * col - pad, g["h"] * row - pad
+        query = next((t.get("expr", "") for t in panel.get("targets", [])), "")
+        if len(query) > w // 7:
+            query = query[: w // 7 - 1] + "…"
+        parts += [
+            f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="3" fill="#181b1f" '
+            'stroke="#2c3235"/>',
+            f'<text x="{x + 8}" y="{y + 18}" fill="#d8d9da" font-weight="bold">'
+            f"{html.escape(panel.get('title', ''))}</text>",
+            f'<text x="{x + 8}" y="{y + 36}" fill="#8e8e8e">{html.escape(panel["type"])}</text>',
+            f'<text x="{x + 8}" y="{y + h - 10}" fill="#6e9fff" font-family="monospace" '
+            f'font-size="10">{html.escape(query)}</text>',
+        ]
+    return "\n".join([*parts, "</svg>"]) + "\n"
+
+
+RANK = """
+import cohortgate, torch
+cohortgate.join(torch.nn.Linear(4, 4), timeout_s=120)
+"""
+
+
+def status_png() -> bytes:
+    """The status page of a real coordinator (`cohortgate serve`) holding a job of 6 ranks
+    of which 3 joined, as headless Chromium draws it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        raise RuntimeError("the status page's picture needs chromium (make system-deps)")
+    with tempfile.TemporaryDirectory() as tmp:
+        ports = Path(tmp) / "ports"
+        env = {**os.environ, "HOME": tmp, "PYTHONPATH": str(REPO)}
+        serve = [sys.executable, "-m", "cohortgate.coordinator.cli", "serve", "--listen"]
+        serve += ["127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--history", "off"]
+        serve += ["--port-file", str(ports), "--log-format", "json"]
+        procs = [subprocess.Popen(serve, env=env, stdout=subprocess.DEVNULL)]
+        try:
+            give_up = time.monotonic() + 30
+            while len(ports.read_text().split() if ports.exists() else []) < 2:
+                if time.monotonic() > give_up:
+                    raise RuntimeError("the docs' coordinator did not start")
+                time.sleep(0.05)
+            grpc_port, http_port = ports.read_text().split()[:2]
+            rank_env = {**env, "COHORTGATE_ADDR": f"127.0.0.1:{grpc_port}", "WORLD_SIZE": "6"}
+            rank_env |= {"COHORTGATE_JOB": "llama-70b-sft", "MASTER_ADDR": "127.0.0.1"}
+            for rank in (0, 1, 4):
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", RANK],
+                        env={**rank_env, "RANK": str(rank)},
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+            url = f"http://127.0.0.1:{http_port}/status"
+            shot = Path(tmp) / "status.png"
+            flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
+            flags += [f"--user-data-dir={tmp}/profile", "--window-size=1100,420"]
+            while time.monotonic() < give_up + 60:  # until the three ranks show
+                dom = subprocess.run(
+                    [chromium, *flags, "--dump-dom", url], capture_output=True, text=True
+                ).stdout
+                if "3/6" in dom:
+                    break
+                time.sleep(0.5)
+            subprocess.run([chromium, *flags, f"--screenshot={shot}", url], capture_output=True)
+            return shot.read_bytes()
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+
+
 GENERATED: dict[str, Callable[[], str]] = {
     "cli": cli,
     "metrics": metrics,
@@ -247,6 +343,10 @@ def unknown_flags(markdown: str, known: dict[str, set[str]] | None = None) -> li
 
 
 def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.structure.files import File
+
+    files.append(File.generated(config, "img/dashboard.svg", content=dashboard_svg()))
+    files.append(File.generated(config, "img/status.png", content=status_png()))
     bad = {
         f.src_uri: unknown
         for f in files.documentation_pages()

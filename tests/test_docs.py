@@ -146,3 +146,20 @@ def test_the_readme_is_a_front_door_into_the_docs() -> None:
         assert f"docs/{page}" in links, page
     # Its example refusal is the one the code decides (the docs' generated example).
     assert _hooks().example_refusal() in readme
+
+
+def test_the_pictures_are_drawn_from_the_real_page_and_the_dashboard(site: Path) -> None:
+    """The status page as Chromium drew it from a real coordinator holding 3 of 6 ranks, and
+    the Grafana dashboard drawn from its JSON (every panel, by title)."""
+    import json
+
+    png = (site / "img" / "status.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    svg = (site / "img" / "dashboard.svg").read_text()
+    board = json.loads((REPO / "deploy" / "grafana" / "cohortgate-dashboard.json").read_text())
+    titles = [p["title"] for p in board["panels"]]
+    assert titles and all(f">{t}</text>" in svg for t in titles)
+    operating = (site / "guides" / "operating" / "index.html").read_text()
+    assert (
+        'src="../../img/status.png"' in operating and 'src="../../img/dashboard.svg"' in operating
+    )

@@ -384,8 +384,8 @@ def _readme_commands() -> list[str]:
 
 @pytest.mark.slow
 def test_every_flag_the_readme_and_the_docs_name_exists() -> None:
-    """Each `cohortgate CMD ...` and `examples/*.py ...` the README and the docs show: every --flag it
-    uses is in that command's --help (for run: cohortgate run's, or torchrun's options)."""
+    """Each `cohortgate CMD ...` and `examples/*.py ...` the README and the docs show: every
+    --flag it uses is in that command's --help (for run: cohortgate run's, or torchrun's)."""
     import re
 
     from cohortgate.coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
