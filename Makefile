@@ -85,9 +85,11 @@ proto-check: venv
 mutation: venv
 	$(PY) -m pip install -q mutmut==3.8.1
 	rm -rf mutants
-	# cohortgate/ links to agent/ and coordinator/: the links, not copies, so that
-	# `import cohortgate.agent...` loads the mutated files mutmut writes under mutants/
-	mkdir -p mutants/cohortgate && cp cohortgate/__init__.py cohortgate/py.typed mutants/cohortgate/
+	# cohortgate/ links to agent/ and coordinator/: links, not copies, so that the mutated
+	# files (pyproject names them by their cohortgate/ paths, as the tests import them) and
+	# the copies of also_copy land in one tree under mutants/
+	mkdir -p mutants/cohortgate mutants/agent mutants/coordinator
+	cp cohortgate/__init__.py cohortgate/py.typed mutants/cohortgate/
 	ln -s ../agent mutants/cohortgate/agent && ln -s ../coordinator mutants/cohortgate/coordinator
 	PATH="$(TEST_PATH):$$PATH" COHORTGATE_EXAMPLES_SCALE=0.1 $(VENV)/bin/mutmut run --max-children 2
 	$(VENV)/bin/mutmut results --all true | awk '{print $$NF}' | sort | uniq -c
