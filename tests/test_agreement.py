@@ -256,6 +256,11 @@ def test_the_tokenizer_fingerprint_catches_one_added_special_token() -> None:
     other.add_special_tokens({"additional_special_tokens": ["<tool>"]})
     assert tokenizer_fingerprint(same) != tokenizer_fingerprint(other)
     assert tokenizer_fingerprint(same).startswith("sha256:")
+    # The pipeline counts, not only the vocabulary: another pre-tokenizer splits text
+    # differently with the same tokens.
+    split = tokenizer()
+    split.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert tokenizer_fingerprint(split) != tokenizer_fingerprint(same)
 
 
 # -- the code check's local modules ----------------------------------------------------------

@@ -243,3 +243,39 @@ def test_audits_every_10th_step_push_the_stop_two_audits_ahead() -> None:
     assert found.step == 50
     # 0.02 s a step: a quarter second is 13 steps; then two audits of 10 steps each.
     assert found.stop_step == 70 + 13 + 20
+
+
+def test_the_status_lines_put_a_divergence_first_then_missing_ranks_then_the_latest() -> None:
+    """`Audits.status()` (the status page and /status.json): one line per audited cohort,
+    diverged first, then missing ranks, then the most recently audited; `shown` bounds it."""
+    from cohortgate.coordinator.decision.formation import FormationOptions
+    from cohortgate.coordinator.service.audits import Audits
+    from cohortgate.coordinator.service.observers import Observer
+
+    audits = Audits(FormationOptions(), Observer(), clock=lambda: 0.0)
+    quiet, diverged, missing, recent = cohort(), cohort(), cohort(), cohort()
+    for name, c, seen in [("quiet", quiet, 1.0), ("diverged", diverged, 0.5)]:
+        c.cohort_id, c.job_id, c.last_seen = f"{name}/1/x", name, seen
+    missing.cohort_id, missing.job_id, missing.last_seen, missing.missing = "m/1/x", "m", 0.2, (3,)
+    recent.cohort_id, recent.job_id, recent.last_seen = "r/1/x", "r", 9.0
+    diverged.diverged_step, diverged.stop_step, diverged.headline = 5, 7, "rank 2 differs"
+    quiet.last_step, quiet.last_compared = 12, 11
+    for c in (quiet, diverged, missing, recent):
+        audits.cohorts[c.cohort_id] = c
+    lines = audits.status()
+    assert [line["job_id"] for line in lines] == ["diverged", "m", "r", "quiet"]
+    assert lines[0] == {
+        "job_id": "diverged",
+        "cohort_id": "diverged/1/x",
+        "level": "warn",
+        "ranks": 4,
+        "last_step": diverged.last_step,
+        "last_compared": diverged.last_compared,
+        "diverged_step": 5,
+        "stop_step": 7,
+        "headline": "rank 2 differs",
+        "missing": [],
+    }
+    assert lines[1]["missing"] == [3]
+    assert (lines[3]["last_step"], lines[3]["last_compared"]) == (12, 11)
+    assert [line["job_id"] for line in audits.status(shown=2)] == ["diverged", "m"]

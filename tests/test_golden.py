@@ -51,3 +51,39 @@ def test_a_config_fingerprint_is_pinned() -> None:
         digest(fields_of(fields))
         == "c9d191a20905bd6b4467d599b6383fbbd66a949d8e006307271358e6f0dd710a"
     )
+
+
+def test_the_code_checks_files_field_is_pinned() -> None:
+    """`files_field` is what a rank's join carries and an UploadFiles answer is checked
+    against: its count, its wording and its hash over (path length, path, digest) in path
+    order are part of the wire."""
+    from cohortgate.coordinator.contract.digests import files_field
+
+    two = [("train.py", b"\x01" * 32), ("models/gpt.py", b"\x02" * 32)]
+    assert files_field(two) == "2 files sha256:2778d2504ab3a041"
+    assert files_field(reversed(two)) == files_field(two)  # path order, not the caller's
+    assert files_field(two[:1]) == "1 file sha256:04e798c956c63ef0"
+    assert files_field([]) == "0 files sha256:6e193e15cf776bd7"
+
+
+class _SlowTokenizer:
+    """What a slow (pure Python) Hugging Face tokenizer shows the fingerprint."""
+
+    def __init__(self, vocab: dict[str, int], added: dict[str, int]) -> None:
+        self.vocab, self.added = vocab, added
+        self.special_tokens_map = {"unk_token": "<unk>", "additional_special_tokens": ["<t>"]}
+
+    def get_vocab(self) -> dict[str, int]:
+        return {**self.vocab, **self.added}
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return dict(self.added)
+
+
+def test_a_tokenizer_fingerprint_is_pinned() -> None:
+    from cohortgate import tokenizer_fingerprint
+
+    tok = _SlowTokenizer({"<unk>": 0, "hello": 1, "world": 2}, {"<t>": 3})
+    assert tokenizer_fingerprint(tok) == (
+        "sha256:02a0ee663794639f8ee6946f285a058e9e46ea737f6ffc86cefdf308ced3f97a"
+    )
