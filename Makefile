@@ -81,7 +81,7 @@ proto-check: venv
 	$(PY) scripts/gen_proto.py --check
 
 ## mutation: mutants of the verdict, security and digest code (pyproject's [tool.mutmut])
-## against the tests that start no torchrun job; tens of minutes on 2 cores; not part of test
+## against the tests that start no torchrun job; hours on 2 cores; not part of test
 mutation: venv
 	$(PY) -m pip install -q mutmut==3.8.1
 	rm -rf mutants

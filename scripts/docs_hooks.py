@@ -251,6 +251,17 @@ def status_png() -> bytes:
                 proc.wait()
 
 
+def mutation_scope() -> str:
+    """What `make mutation` mutates and which tests it runs them against."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
+    code = ", ".join(f"`{p}`" for p in config["paths_to_mutate"])
+    tests = ", ".join(f"`{Path(t).name}`" for t in config["pytest_add_cli_args_test_selection"])
+    n = len(config["pytest_add_cli_args_test_selection"])
+    return f"- mutated: {code}\n- against the {n} test files: {tests}\n"
+
+
 GENERATED: dict[str, Callable[[], str]] = {
     "cli": cli,
     "metrics": metrics,
@@ -258,6 +269,7 @@ GENERATED: dict[str, Callable[[], str]] = {
     "causes": causes,
     "example-refusal": example_refusal,
     "grpc-api": grpc_api,
+    "mutation-scope": mutation_scope,
 }
 
 
