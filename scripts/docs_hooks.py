@@ -100,8 +100,11 @@ def causes() -> str:
     return "\n".join(f"- `{c.value}`" for c in Cause) + "\n"
 
 
-def example_refusal() -> str:
-    """A real refusal, decided here: rank 2 of 4 built a wider layer."""
+def _decided(world: int, differ: dict[int, dict[str, Any]], joined: int | None = None) -> str:
+    """The headline and report the decision gives a cohort of `world` ranks on nodes of 2,
+    where `differ[rank]` overrides what that rank sent (`width` of its layer, `agreed`
+    fingerprints, `runtime`); `joined`: only the first ranks joined, decided at the deadline."""
+    from cohortgate.coordinator.contract.fingerprint import config_fields, fields_of, flatten
     from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
     from cohortgate.coordinator.decision.cohort import CohortState, Member
     from cohortgate.coordinator.decision.formation import FormationOptions
@@ -115,9 +118,20 @@ def example_refusal() -> str:
             ]
         )
 
-    cohort = CohortState("job-42", 1, 4, first_join_at=0.0)
-    for rank in range(4):
-        m = manifest(16 if rank == 2 else 8)
+    cohort = CohortState("job-42", 1, world, first_join_at=0.0)
+    for rank in range(world if joined is None else joined):
+        sent = {
+            "width": 8,
+            "runtime": {"device_type": "cuda", "torch_version": "2.13.0"},
+            "config": {"num_attention_heads": 32, "hidden_size": 4096},
+            "facts": {"data": "mix-v3", "resume_step": 1200},
+            **differ.get(rank, {}),
+        }
+        m = manifest(sent["width"])
+        agreed = {
+            "config": fields_of(config_fields(sent["config"])),
+            "facts": fields_of(flatten(sent["facts"])),
+        }
         member = Member(
             rank=rank,
             host=f"node{rank // 2}",
@@ -125,12 +139,51 @@ def example_refusal() -> str:
             incarnation=f"inc{rank}",
             signature=m.signature(),
             manifest_entries=len(m),
+            runtime=sent["runtime"],
+            agreed=agreed,
         )
         cohort.add(member, 0.0)
         cohort.manifests[m.signature()] = m
-    _, verdict = judge(cohort, 1.0, FormationOptions())
-    assert verdict is not None, "the example cohort was not decided"
+    options = FormationOptions(join_deadline_s=600.0)
+    _, verdict = judge(cohort, 1.0 if joined is None else 601.0, options)
+    assert verdict is not None and verdict.report, f"the example was not refused: {differ}"
     return f"```text\n{verdict.headline}\n\n{verdict.report}\n```\n"
+
+
+EXAMPLES: dict[str, tuple[str, Callable[[], str]]] = {
+    "signature_mismatch": (
+        "rank 2 built a wider layer",
+        lambda: _decided(4, {2: {"width": 16}}),
+    ),
+    "config": (
+        "rank 3 loaded a config with another head count",
+        lambda: _decided(4, {3: {"config": {"num_attention_heads": 16, "hidden_size": 4096}}}),
+    ),
+    "facts": (
+        "rank 1 resumes from another checkpoint step",
+        lambda: _decided(4, {1: {"facts": {"data": "mix-v3", "resume_step": 1100}}}),
+    ),
+    "runtime": (
+        "rank 0 runs on the CPU",
+        lambda: _decided(4, {0: {"runtime": {"device_type": "cpu", "torch_version": "2.13.0"}}}),
+    ),
+    "deadline": (
+        "2 of 4 ranks joined by the join deadline",
+        lambda: _decided(4, {}, joined=2),
+    ),
+}
+
+
+def example_refusal() -> str:
+    """A real refusal, decided here: rank 2 of 4 built a wider layer."""
+    return EXAMPLES["signature_mismatch"][1]()
+
+
+def example_refusals() -> str:
+    """A refusal per cause that a few ranks' joins show, each decided here."""
+    return "\n".join(
+        f"### `{cause}`: {what}\n\n{render()}" for cause, (what, render) in EXAMPLES.items()
+    )
 
 
 def grpc_api() -> str:
@@ -268,6 +321,7 @@ GENERATED: dict[str, Callable[[], str]] = {
     "checks": checks,
     "causes": causes,
     "example-refusal": example_refusal,
+    "example-refusals": example_refusals,
     "grpc-api": grpc_api,
     "mutation-scope": mutation_scope,
 }
