@@ -268,6 +268,24 @@ def test_audit_findings_are_kept_per_job_oldest_first_and_outlive_a_restart(
     assert again.audits("nobody") == []
 
 
+def test_an_audit_finding_is_read_back_at_once_before_the_writer_files_it(
+    open_verdicts: VerdictOpener,
+) -> None:
+    """The ranks are told of a divergence when it is found; `cohortgate explain` or
+    ListAudits right after must show it, whether or not the writer has filed it yet (once:
+    not twice when it is filed while being read)."""
+    store = open_verdicts()
+    now = time.time()
+    written = [finding("j", s, now + s) for s in range(3)]
+    for f in written:
+        store.record_audit(f)
+        assert store.audits("j")[-1] == f  # no flush in between
+    assert store.audits("j") == written
+    assert store.flush(5.0)
+    assert store.audits("j") == written
+    store.close()
+
+
 def test_what_the_service_records_replays_through_a_new_coordinator(
     open_verdicts: VerdictOpener, clock: Clock
 ) -> None:

@@ -146,6 +146,10 @@ def _file(db: sqlite3.Connection, cohort_ids: list[str] | None = None) -> None:
     _transaction(db, write)
 
 
+def _key(f: AuditFinding) -> tuple[str, int, str, float]:
+    return (f.cohort_id, f.step, f.kind, f.at)
+
+
 def _audits(db: sqlite3.Connection, findings: list[AuditFinding]) -> None:
     rows = [dataclasses.astuple(f) for f in findings]  # the fields in _AUDIT's order
     _transaction(
@@ -262,6 +266,10 @@ class _Writer(threading.Thread):
         for _, written in batch:
             if written is not None:
                 written()
+
+    def queued_audits(self, job_id: str) -> list[AuditFinding]:
+        with self.cond:
+            return [f for f in self.audits if f.job_id == job_id]
 
     def flush(self, timeout: float) -> bool:
         give_up = time.monotonic() + timeout
@@ -456,7 +464,18 @@ class History(VerdictStore):
         self._writer.put_audit(finding)
 
     def audits(self, job_id: str, limit: int = 200) -> list[AuditFinding]:
+        """The job's findings, oldest first, those still queued for the writer included: a
+        finding is answered to the ranks before the writer thread files it, and whoever reads
+        right after (`explain`, ListAudits) must see it. The queue is read before the file,
+        so a finding filed in between is found in one or the other."""
+        queued = self._writer.queued_audits(job_id) if self._writer is not None else []
+
         def read() -> list[AuditFinding]:
+            stored = stored_audits()
+            seen = {_key(f) for f in stored}
+            return (stored + [f for f in queued if _key(f) not in seen])[-limit:]
+
+        def stored_audits() -> list[AuditFinding]:
             found = self.db.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'audits'"
             ).fetchone()
