@@ -37,7 +37,7 @@ def _causes() -> dict[Cause, pb.Refusal.Cause.ValueType]:
     if missing:
         raise ImportError(
             f"Cause {', '.join(missing)} has no CAUSE_<NAME> value in Refusal.Cause "
-            "(proto/coordinator/api/v1/cohort.proto): add it there and run `make proto`"
+            "(proto/cohortgate/coordinator/api/v1/cohort.proto): add it there and run `make proto`"
         )
     return {c: pb.Refusal.Cause.Value("CAUSE_" + c.name) for c in Cause}
 

@@ -4,7 +4,7 @@ authentication, and a deadline on every call (a hung etcd must fail a call, not 
 Why our own and not aetcd: aetcd 1.0.0 works on our grpcio/protobuf, but takes one host
 (no endpoint list to fail over between), has no TLS, and sets no deadline unless told; etcd's
 KV, lease and auth calls are a few dozen lines on stubs generated from etcd's own messages
-(proto/coordinator/etcd/etcd.proto), checked like ours by `make proto-check`.
+(proto/cohortgate/coordinator/etcd/etcd.proto), checked like ours by `make proto-check`.
 """
 
 from __future__ import annotations
