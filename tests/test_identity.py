@@ -1,0 +1,119 @@
+"""What the code check fingerprints, in-process (issue 37: these functions ran only inside the
+e2e jobs, where mutation testing cannot see them): the script by its path in the work tree and
+its bytes, the commit and whether it has local changes, the local modules the rank imported
+from that work tree (never the script itself, an untracked file or a virtual environment's),
+and the installed versions of the numerics packages and the ones the user names."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from cohortgate.agent import identity
+from cohortgate.coordinator.contract.digests import files_field
+
+
+def _git(tree: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _sha(path: Path) -> bytes:
+    return hashlib.sha256(path.read_bytes()).digest()
+
+
+@pytest.fixture
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A git work tree: the script, a tracked helper module, an untracked one, and a
+    virtual environment's module (tracked by mistake); every module imported, the script
+    as __main__."""
+    top = tmp_path / "repo"
+    (top / "helpers").mkdir(parents=True)
+    (top / "venv" / "lib").mkdir(parents=True)
+    (top / "train.py").write_text("print('train')\n")
+    (top / "helpers" / "util.py").write_text("X = 1\n")
+    (top / "venv" / "pyvenv.cfg").write_text("home = /usr\n")
+    (top / "venv" / "lib" / "vendored.py").write_text("Y = 2\n")
+    _git(top, "init", "-q")
+    _git(top, "-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
+    _git(top, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "one")
+    (top / "scratch.py").write_text("Z = 3\n")  # untracked
+    names = []
+    for rel in ("helpers/util.py", "venv/lib/vendored.py", "scratch.py", "train.py"):
+        name = "cg_identity_" + rel.replace("/", "_").removesuffix(".py")
+        spec = importlib.util.spec_from_file_location(name, top / rel)
+        assert spec is not None
+        monkeypatch.setitem(sys.modules, name, importlib.util.module_from_spec(spec))
+        names.append(name)
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(top / "train.py"))
+    monkeypatch.delenv("COHORTGATE_PACKAGES", raising=False)
+    yield top
+
+
+def test_a_clean_work_tree_gives_script_commit_and_the_tracked_modules_only(tree: Path) -> None:
+    fields = identity.code_fields()
+    script_sha = hashlib.sha256((tree / "train.py").read_bytes()).hexdigest()[:16]
+    assert fields["script"] == json.dumps(f"train.py sha256:{script_sha}")
+    assert fields["git.commit"] == json.dumps(_git(tree, "rev-parse", "HEAD")[:12])
+    modules = [("helpers/util.py", _sha(tree / "helpers" / "util.py"))]
+    assert modules == identity.LOCAL_FILES
+    assert fields["modules"] == files_field(modules)
+    assert fields["package.torch"] == json.dumps(metadata.version("torch"))
+    assert "package.flash-attn" not in fields  # not installed: not named
+
+
+def test_an_edited_helper_changes_the_modules_and_marks_local_changes(tree: Path) -> None:
+    before = identity.code_fields()
+    (tree / "helpers" / "util.py").write_text("X = 2\n")
+    after = identity.code_fields()
+    assert after["git.commit"] == json.dumps(
+        _git(tree, "rev-parse", "HEAD")[:12] + " (local changes)"
+    )
+    assert after["modules"] != before["modules"]
+    assert after["script"] == before["script"]
+    (tree / "train.py").write_text("print('hot fix')\n")
+    assert identity.code_fields()["script"] != before["script"]
+
+
+def test_the_packages_named_by_the_caller_and_the_environment_are_versioned(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COHORTGATE_PACKAGES", " pytest , ,no-such-package")
+    fields = identity.code_fields(packages=["grpcio"])
+    assert fields["package.pytest"] == json.dumps(metadata.version("pytest"))
+    assert fields["package.grpcio"] == json.dumps(metadata.version("grpcio"))
+    assert not any(k.startswith("package.no-such") or k == "package." for k in fields)
+
+
+def test_a_script_outside_a_work_tree_is_named_by_its_file_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "loose" / "run.py"
+    script.parent.mkdir()
+    script.write_text("pass\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script))
+    fields = identity.code_fields()
+    digest = hashlib.sha256(b"pass\n").hexdigest()[:16]
+    assert fields["script"] == json.dumps(f"run.py sha256:{digest}")
+    assert "git.commit" not in fields and "modules" not in fields
+
+
+def test_a_virtual_environment_inside_the_tree_is_never_a_local_module(tree: Path) -> None:
+    assert identity._in_venv(tree, Path("venv/lib/vendored.py"))
+    assert identity._in_venv(tree, Path("lib/python3.11/site-packages/x.py"))
+    assert not identity._in_venv(tree, Path("helpers/util.py"))
+    # without `exclude`, the script (imported here as a module too) is one of them
+    assert [rel for rel, _ in identity.local_files(tree)] == ["helpers/util.py", "train.py"]
+    assert [rel for rel, _ in identity.local_files(tree, exclude=tree / "train.py")] == [
+        "helpers/util.py"
+    ]
+    assert identity.local_files(tree / "helpers" / "nowhere") == []  # git fails: nothing
