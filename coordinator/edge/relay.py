@@ -438,7 +438,10 @@ class Relay(pb_grpc.CohortServiceServicer):
                     return
                 if group.regroup:
                     # A rank left between two polls: the next poll, without it, is its
-                    # leave upstream, at once (no round was abandoned: no pause).
+                    # leave upstream, at once (no round was abandoned: no pause). Said as
+                    # when a call was cancelled: which path ran depends only on timing.
+                    if group.ranks:
+                        log.info("rank left; re-joining the rest", job=group.key[0])
                     continue
                 status = _Status(
                     grpc.StatusCode.UNAVAILABLE,
