@@ -145,6 +145,9 @@ def test_a_relay_takes_a_new_grace_when_its_coordinator_restarts_with_one(
             changed = "the upstream's rank grace changed: the relay's server restarts with it"
             wait_until("the relay's new grace", lambda: changed in _said(log), 10)
             assert _said(log)[changed]["now_s"] == GRACE
+            # its server is restarting: the raw ranks below do not retry as the agent does
+            wait_until("the relay serving again", lambda: "relaying again" in _said(log), 10)
+            assert _said(log)["relaying again"]["rank_grace_s"] == GRACE
             first = pool.submit(run_rank, relay, join_request("tightened", 0, 3, m), m, 60)
             frozen = rank_process(relay, "tightened", 1, 3)
             wait_until("ranks 0-1 in", lambda: holds(c, "tightened", 1), 30)

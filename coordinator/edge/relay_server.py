@@ -100,6 +100,9 @@ async def serve_relay(
         await health.enter_graceful_shutdown()
         await server.stop(0.5)
         server, health, _ = await _start(relay, bound, max_message_bytes, tls)
+        # Ranks that joined during the restart were refused (UNAVAILABLE: the agent
+        # retries); from here they are served again.
+        log.info("relaying again", listen=bound, rank_grace_s=relay.rank_grace_s)
     await health.enter_graceful_shutdown()
     await server.stop(2.0)
     await relay.close()
