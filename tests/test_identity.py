@@ -117,3 +117,56 @@ def test_a_virtual_environment_inside_the_tree_is_never_a_local_module(tree: Pat
         "helpers/util.py"
     ]
     assert identity.local_files(tree / "helpers" / "nowhere") == []  # git fails: nothing
+
+
+def test_a_script_in_a_subfolder_is_named_by_its_path_in_the_tree(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tree / "scripts").mkdir()
+    (tree / "scripts" / "pretrain.py").write_text("pass\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tree / "scripts" / "pretrain.py"))
+    digest = hashlib.sha256(b"pass\n").hexdigest()[:16]
+    assert identity.code_fields()["script"] == json.dumps(f"scripts/pretrain.py sha256:{digest}")
+    # a script that cannot be read (gone since it started) is said so, not skipped
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tree / "scripts" / "gone.py"))
+    assert identity.code_fields()["script"] == json.dumps("scripts/gone.py sha256:unreadable")
+
+
+def test_without_a_script_only_the_packages_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -c` or an interactive session: __main__ has no file."""
+    monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
+    monkeypatch.setenv("COHORTGATE_PACKAGES", "pytest,grpcio")  # no spaces: still a list
+    fields = identity.code_fields()
+    assert not {"script", "git.commit", "modules"} & set(fields)
+    assert {"package.torch", "package.pytest", "package.grpcio"} <= set(fields)
+
+
+def test_a_module_whose_file_is_gone_is_left_out_and_the_rest_still_listed(tree: Path) -> None:
+    (tree / "helpers" / "util.py").unlink()  # imported first, deleted since
+    assert [rel for rel, _ in identity.local_files(tree)] == ["train.py"]
+
+
+def test_a_virtual_environment_is_found_at_any_depth_and_by_either_packages_folder(
+    tree: Path,
+) -> None:
+    (tree / "tools" / "env").mkdir(parents=True)
+    (tree / "tools" / "env" / "pyvenv.cfg").write_text("home = /usr\n")
+    assert identity._in_venv(tree, Path("tools/env/x.py"))
+    assert identity._in_venv(tree, Path("usr/lib/python3/dist-packages/x.py"))
+    assert not identity._in_venv(tree, Path("tools/x.py"))
+
+
+def test_a_tokenizer_object_with_only_a_vocabulary_has_a_fingerprint() -> None:
+    """Neither added tokens nor a special tokens map: the fingerprint is still taken."""
+    from cohortgate import tokenizer_fingerprint
+
+    class Bare:
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0, "b": 1}
+
+    assert tokenizer_fingerprint(Bare()) == (
+        "sha256:"
+        + hashlib.sha256(
+            b'{"added":[],"class":"Bare","special":{},"vocab":[["a",0],["b",1]]}'
+        ).hexdigest()
+    )
