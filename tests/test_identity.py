@@ -54,7 +54,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         assert spec is not None
         monkeypatch.setitem(sys.modules, name, importlib.util.module_from_spec(spec))
         names.append(name)
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(top / "train.py"))
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(top / "train.py"), raising=False)
     monkeypatch.delenv("COHORTGATE_PACKAGES", raising=False)
     yield top
 
@@ -100,7 +100,7 @@ def test_a_script_outside_a_work_tree_is_named_by_its_file_alone(
     script = tmp_path / "loose" / "run.py"
     script.parent.mkdir()
     script.write_text("pass\n")
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script))
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
     fields = identity.code_fields()
     digest = hashlib.sha256(b"pass\n").hexdigest()[:16]
     assert fields["script"] == json.dumps(f"run.py sha256:{digest}")
@@ -124,11 +124,15 @@ def test_a_script_in_a_subfolder_is_named_by_its_path_in_the_tree(
 ) -> None:
     (tree / "scripts").mkdir()
     (tree / "scripts" / "pretrain.py").write_text("pass\n")
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tree / "scripts" / "pretrain.py"))
+    monkeypatch.setattr(
+        sys.modules["__main__"], "__file__", str(tree / "scripts" / "pretrain.py"), raising=False
+    )
     digest = hashlib.sha256(b"pass\n").hexdigest()[:16]
     assert identity.code_fields()["script"] == json.dumps(f"scripts/pretrain.py sha256:{digest}")
     # a script that cannot be read (gone since it started) is said so, not skipped
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tree / "scripts" / "gone.py"))
+    monkeypatch.setattr(
+        sys.modules["__main__"], "__file__", str(tree / "scripts" / "gone.py"), raising=False
+    )
     assert identity.code_fields()["script"] == json.dumps("scripts/gone.py sha256:unreadable")
 
 

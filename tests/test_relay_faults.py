@@ -94,7 +94,11 @@ def test_a_frozen_rank_behind_a_relay_is_dropped_within_the_grace_and_its_restar
     frozen = None
     flags = ("--rank-grace", str(GRACE)) if grace_from == "relay flag" else ()
     try:
-        with relay_process(c.addr, tmp_path, "--local-ranks", "2", *flags) as (relay, log):
+        # --window 30: ranks 0 and 1 go upstream as one group however slowly the frozen
+        # rank's process starts (under load it came after the default 2 s window, alone,
+        # and its drop left no group to re-join)
+        node = ("--local-ranks", "2", "--window", "30", *flags)
+        with relay_process(c.addr, tmp_path, *node) as (relay, log):
             first = pool.submit(run_rank, relay, join_request("frozen", 0, 3, m), m, 60)
             frozen = rank_process(relay, "frozen", 1, 3)
             wait_until("ranks 0-1 reach the coordinator", lambda: holds(c, "frozen", 1), 30)

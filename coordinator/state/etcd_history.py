@@ -40,6 +40,7 @@ from cohortgate.coordinator.state.records import (
     received,
     verdict_from_json,
     verdict_to_json,
+    with_queued,
 )
 
 log = structlog.get_logger("cohortgate")
@@ -115,6 +116,7 @@ class EtcdHistory(VerdictStore):
         self._unpacked: OrderedDict[tuple[str, int], tuple[str | None, str]] = OrderedDict()
         self._revision = 0  # etcd revision the cache has caught up to
         self._pending = 0
+        self._queued_audits: list[AuditFinding] = []  # submitted, not yet written
         self._error = ""
         self._pruned_at = float("-inf")  # monotonic: never yet
         self._closing = False
@@ -423,6 +425,7 @@ class EtcdHistory(VerdictStore):
             raise OSError("the etcd history is open read-only")
         with self._lock:
             self._pending += 1
+            self._queued_audits.append(finding)
         self.etcd.submit(self._write_audit(finding))
 
     async def _write_audit(self, finding: AuditFinding) -> None:
@@ -434,18 +437,21 @@ class EtcdHistory(VerdictStore):
         finally:
             with self._lock:
                 self._pending -= 1
+                self._queued_audits.remove(finding)
 
     def audits(self, job_id: str, limit: int = 200) -> list[AuditFinding]:
         """Read from etcd (at most READ_WAIT_S: audits are read once per cohort, on its first
         audit after a restart, and by `explain --audits`)."""
         start = self._audit_key(job_id)
+        with self._lock:
+            queued = [f for f in self._queued_audits if f.job_id == job_id]
 
         async def read() -> list[AuditFinding]:
             reply = await self.etcd.client.range(start, prefix_end(start))
             return [AuditFinding(**json.loads(kv.value)) for kv in reply.kvs]
 
         try:
-            return self.etcd.run(read(), timeout=READ_WAIT_S)[-limit:]
+            return with_queued(self.etcd.run(read(), timeout=READ_WAIT_S), queued, limit)
         except (EtcdError, TimeoutError, ValueError, TypeError) as exc:
             self._failed("read", exc)
             raise Unavailable(

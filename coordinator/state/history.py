@@ -31,6 +31,7 @@ from cohortgate.coordinator.state.records import (
     received,
     verdict_from_json,
     verdict_to_json,
+    with_queued,
 )
 
 log = structlog.get_logger("cohortgate")
@@ -144,10 +145,6 @@ def _file(db: sqlite3.Connection, cohort_ids: list[str] | None = None) -> None:
         db.executemany("DELETE FROM gates WHERE cohort_id = ?", keys)
 
     _transaction(db, write)
-
-
-def _key(f: AuditFinding) -> tuple[str, int, str, float]:
-    return (f.cohort_id, f.step, f.kind, f.at)
 
 
 def _audits(db: sqlite3.Connection, findings: list[AuditFinding]) -> None:
@@ -471,9 +468,7 @@ class History(VerdictStore):
         queued = self._writer.queued_audits(job_id) if self._writer is not None else []
 
         def read() -> list[AuditFinding]:
-            stored = stored_audits()
-            seen = {_key(f) for f in stored}
-            return (stored + [f for f in queued if _key(f) not in seen])[-limit:]
+            return with_queued(stored_audits(), queued, limit)
 
         def stored_audits() -> list[AuditFinding]:
             found = self.db.execute(

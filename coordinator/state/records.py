@@ -9,6 +9,7 @@ from typing import Any
 
 from cohortgate.coordinator.contract import ranges
 from cohortgate.coordinator.contract.diff import ManifestDiff
+from cohortgate.coordinator.decision.audit import AuditFinding
 from cohortgate.coordinator.decision.verdict import Cause, Finding, Outcome, SignatureClass, Verdict
 
 
@@ -111,3 +112,17 @@ def received(members_text: str, incarnation: str) -> bool:
     if members_text.startswith("{"):
         return incarnation in json.loads(members_text).values()
     return "\n" not in incarnation and f"\n{incarnation}\n" in f"{members_text}\n"
+
+
+def with_queued(
+    stored: list[AuditFinding], queued: list[AuditFinding], limit: int
+) -> list[AuditFinding]:
+    """A job's findings as stored, then those still queued for the writer (read before the
+    store, so that one filed in between is in one or the other, and once), the newest
+    `limit`: a finding the ranks were just told is listed at once (explain, ListAudits)."""
+
+    def key(f: AuditFinding) -> tuple[str, int, str, float]:
+        return (f.cohort_id, f.step, f.kind, f.at)
+
+    seen = {key(f) for f in stored}
+    return (stored + [f for f in queued if key(f) not in seen])[-limit:]
