@@ -53,13 +53,16 @@ system-deps: venv
 
 ## test: everything CI runs: generated-code check, ruff, import contracts, mypy, pytest
 ## (every tier), with the 15 slowest tests printed
+# Two workers (pytest-xdist): most tests wait (graces, deadlines, real processes), so two at
+# a time take about two thirds of the time on 2 cores; every test holds under that load.
+TEST_WORKERS ?= 2
 test: venv system-deps proto-check lint typecheck
-	PATH="$(TEST_PATH):$$PATH" $(PY) -m pytest -q --durations=15
+	PATH="$(TEST_PATH):$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 ## test-fast: the fast tier, for every change: no real torchrun job, browser or test that
 ## waits out a timeout (markers e2e and slow); under 2 minutes on 2 cores
 test-fast: venv system-deps
-	PATH="$(TEST_PATH):$$PATH" $(PY) -m pytest -q -m "not e2e and not slow" --durations=10
+	PATH="$(TEST_PATH):$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not e2e and not slow" --durations=10
 
 ## docs: the documentation site (MkDocs, Material) into site/; --strict: a broken link, a
 ## missing page or a flag the docs name that the code does not take fails it

@@ -468,13 +468,31 @@ def agent_rank(
     )
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port free now (for a coordinator that must come back on the same one)."""
+    """A loopback port free now, for a process the test starts on it (etcd, a coordinator
+    that must come back on the same port). Taken from this pytest-xdist worker's own block
+    below the kernel's ephemeral range (32768 and up): a port the kernel hands out for
+    port 0 could be handed to the other worker too before the first binds it (two etcds on
+    one port: one test paused its own, failed etcd and talked to the other worker's)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 20000 + 1500 * (worker % 8)
+    while True:
+        port = random.randrange(low, low + 1500)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 def log_events(log: Path) -> list[dict[str, Any]]:
