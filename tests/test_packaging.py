@@ -49,6 +49,20 @@ def test_the_package_map_names_every_package_folder_under_one_name() -> None:
         assert link.is_symlink() and link.resolve() == REPO / name
 
 
+def test_the_coordinator_image_copies_everything_the_package_is_built_from() -> None:
+    """deploy/Dockerfile installs from a copy of the sources: the metadata files pyproject
+    names (readme, license) and each folder of the package map must be in it."""
+    project = _pyproject()["project"]
+    copied = " ".join(
+        line.split(maxsplit=1)[1]
+        for line in (REPO / "deploy" / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ")
+    ).split()
+    needed = ["pyproject.toml", project["readme"], *project["license-files"]]  # type: ignore[index]
+    needed += ["cohortgate/__init__.py", "agent", "coordinator"]
+    assert [n for n in needed if n not in copied] == []
+
+
 def test_no_source_imports_the_old_top_level_names() -> None:
     tracked = subprocess.run(
         ["git", "ls-files", "*.py", "*.md", "*.toml", "*.yaml", "*.proto", "Makefile"],
