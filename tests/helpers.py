@@ -14,11 +14,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,22 +38,52 @@ from cohortgate.coordinator.edge.server import RunningServer, start
 from cohortgate.coordinator.state.base import CohortStore, LiveCohort
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []  # the one, once made
+_LOOP_LOCK = threading.Lock()
+_PINNED: list[object] = []
+
+
+def shared_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop of this test process that every in-process grpc.aio server and
+    client runs on, on a daemon thread, never stopped.
+
+    grpc.aio binds its process-wide completion-queue poller to the loop that was running
+    when it was first used, and hands every other loop its events from there. A loop that
+    stops or closes (a coordinator's, asyncio.run's) while that state lives on leaves every
+    later grpc.aio call of the process without events: it hangs to its deadline ("Event
+    loop is closed" in grpc's _handle_events). One loop that lives as long as the process,
+    holding a channel so that grpc's state is bound to it first, cannot."""
+    with _LOOP_LOCK:
+        if not _LOOP:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="test-loop", daemon=True).start()
+
+            async def pin() -> None:
+                _PINNED.append(grpc.aio.insecure_channel("127.0.0.1:9"))
+
+            asyncio.run_coroutine_threadsafe(pin(), loop).result(timeout=30)
+            _LOOP.append(loop)
+        return _LOOP[0]
+
+
+def run_async(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """`asyncio.run(coro)` for tests, on the shared loop (see shared_loop)."""
+    return asyncio.run_coroutine_threadsafe(coro, shared_loop()).result(timeout=timeout)
 
 
 class InProcessCoordinator:
-    """A real grpc.aio server on 127.0.0.1:0, its event loop on a background thread."""
+    """A real grpc.aio server on 127.0.0.1:0, on the test process's shared event loop."""
 
     def __init__(self, **config: Any) -> None:
         config.setdefault("metrics_listen", "127.0.0.1:0")
         config.setdefault("history", ":memory:")
         config.setdefault("listen", "127.0.0.1:0")
         self.config = ServeConfig(**config)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.running: RunningServer = asyncio.run_coroutine_threadsafe(
-            start(self.config), self.loop
-        ).result(timeout=30)
+        self.loop = shared_loop()
+        self.running: RunningServer = run_async(start(self.config), timeout=30)
         self.addr = f"127.0.0.1:{self.running.port}"
         self.metrics_url = f"http://127.0.0.1:{self.running.metrics_port}"
 
@@ -63,12 +93,10 @@ class InProcessCoordinator:
         async def run() -> Any:
             return fn(*args)
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
+        return run_async(run(), timeout=10)
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.running.stop(0.5), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+        run_async(self.running.stop(0.5), timeout=30)
 
 
 def wait_joined(addr: str, job: str, ranks: int, within: float = 20) -> None:

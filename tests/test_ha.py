@@ -354,8 +354,8 @@ def test_a_leader_stopped_with_sigterm_hands_over_at_once_and_no_rank_is_lost(
         next(watch)
 
         def rank(r: int) -> None:
-            try:
-                verdicts[r] = agent_rank(addrs, "rolled", r, 8, M, timeout_s=60)
+            try:  # bounded well inside the test's timeout: a failure shows each rank's end
+                verdicts[r] = agent_rank(addrs, "rolled", r, 8, M, timeout_s=45)
             except Exception as exc:
                 verdicts[r] = exc
 
@@ -373,7 +373,8 @@ def test_a_leader_stopped_with_sigterm_hands_over_at_once_and_no_rank_is_lost(
         for t in threads:
             t.join(60)
         outcomes = {r: getattr(v, "outcome", v) for r, v in verdicts.items()}
-        assert outcomes == dict.fromkeys(range(8), pb.Verdict.OUTCOME_FORMED), outcomes
+        logs = "\n".join(f"{r.addr}:\n{r.log.read_text()[-6000:]}" for r in group)
+        assert outcomes == dict.fromkeys(range(8), pb.Verdict.OUTCOME_FORMED), (outcomes, logs)
         watching.close()
 
 

@@ -19,6 +19,7 @@ from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from cohortgate.coordinator.decision.checks import Policies
 from cohortgate.coordinator.decision.cohort import CohortState, Member
 from cohortgate.coordinator.decision.formation import FormationOptions, decide
+from cohortgate.coordinator.decision.report import judge
 from cohortgate.coordinator.decision.verdict import Cause, Outcome
 
 
@@ -153,8 +154,11 @@ def test_runtime_policies_strict_warn_and_per_job() -> None:
     assert d.outcome is Outcome.FORMED
     assert d.warnings == ("runtime.torch: torch_version: 2.13.0 on ranks 0-5,7, 2.13.1 on rank 6",)
     runtime[6] = dict(runtime[6], nccl_version="2.18.1")
-    d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, OPTS)
+    d, refusal = judge(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, OPTS)
     assert d.outcome is Outcome.REFUSED and d.cause is Cause.RUNTIME
+    assert refusal is not None and refusal.headline == (  # the odd rank, not all eight
+        "runtime.nccl: rank 6: nccl_version: 2.21 on ranks 0-5,7, 2.18 on rank 6"
+    )
     relaxed = FormationOptions(policies=Policies.parse(per_job=["mesh:runtime.nccl=warn"]))
     d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, relaxed)
     assert d.outcome is Outcome.FORMED and len(d.warnings) == 2

@@ -20,7 +20,14 @@ from cohortgate.coordinator.decision.verdict import Outcome, Verdict
 from cohortgate.coordinator.service.core import Coordinator
 from cohortgate.coordinator.service.events import UploadAsk
 from cohortgate.coordinator.state.base import JoinIntent
-from tests.helpers import InProcessCoordinator, decide_in, join_request, manifest_of, run_rank
+from tests.helpers import (
+    InProcessCoordinator,
+    decide_in,
+    join_request,
+    manifest_of,
+    run_async,
+    run_rank,
+)
 from tests.restarts import Load, run_load
 from tests.test_relay_faults import relay_process
 
@@ -287,7 +294,7 @@ def test_64_jobs_with_16_ranks_restarted_alone_every_rank_gets_one_verdict(
                     relay_process(c.addr, tmp_path, "--local-ranks", "4")
                 )
             load = Load(shape="lone", launch=False, deadline_s=30.0, relay=relay)
-            problems = asyncio.run(run_load(c.addr, load, seed=37))
+            problems = run_async(run_load(c.addr, load, seed=37))
     finally:
         c.stop()
     assert problems == []

@@ -35,6 +35,7 @@ from tests.helpers import (
     metric_total,
     one_cohort,
     rank_audit,
+    run_async,
     run_cohort,
     run_rank,
     tensors_of,
@@ -85,7 +86,7 @@ def test_a_whole_job_joining_at_once_reaches_the_coordinator(tmp_path: Path) -> 
                 await c.close()
             return outcomes, errors
 
-        outcomes, errors = asyncio.run(main())
+        outcomes, errors = run_async(main())
     assert errors == {}
     assert outcomes == {"OUTCOME_FORMED": n}
 

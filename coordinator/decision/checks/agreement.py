@@ -4,10 +4,8 @@ under a layout too (a model config is global, never per replica group)."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 from cohortgate.coordinator.contract.fingerprint import AGREED, Fields, disagreements
-from cohortgate.coordinator.decision.checks.base import Check, Context, Refused, Result
+from cohortgate.coordinator.decision.checks.base import Check, Context, Refused, Result, minority
 from cohortgate.coordinator.decision.checks.code_files import files_lines, wanted_files
 from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
 from cohortgate.coordinator.decision.words import all_ranks
@@ -56,7 +54,7 @@ class AgreementCheck(Check):
             level = Level.WARN
         if count > len(lines):
             lines.append(f"{self.name}: and {count - len(lines)} more differing field(s)")
-        odd = _minority(sent)
+        odd = minority(sent)
         return Result(tuple(Finding(self.name, level, line, odd) for line in lines))
 
     def reason(self, ctx: Context, strict: list[Finding]) -> str:
@@ -91,13 +89,6 @@ def _with_files(lines: list[str], named: list[str]) -> list[str]:
     if at is None or not named:
         return lines
     return [*lines[:at], *named, *lines[at + 1 :]]
-
-
-def _minority(sent: dict[int, Fields | None]) -> tuple[int, ...]:
-    """The ranks outside the largest group of equal fingerprints: the likely culprits."""
-    counts = Counter(sent.values())
-    common, _ = counts.most_common(1)[0]
-    return tuple(sorted(r for r, f in sent.items() if f != common))
 
 
 AGREEMENT_CHECKS = (

@@ -3,7 +3,8 @@ words of its refusal (headline, report head, advice)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -138,7 +139,8 @@ class Check(Words):
     def strict_headline(self, strict: list[Finding]) -> str:
         """A refusal by findings (at least one strict): the first, in words."""
         f = strict[0]
-        ranks = f"ranks {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
+        word = "rank" if len(f.ranks) == 1 else "ranks"
+        ranks = f"{word} {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
         return f"{f.check}: {ranks}{f.text}"
 
     def report(self, r: Refused) -> str:
@@ -148,6 +150,12 @@ class Check(Words):
         lines += class_lines(r.decision.classes, r.diffs)
         lines.append("What to do: " + self.what_to_do(r))
         return "\n".join(lines)
+
+
+def minority(values: Mapping[int, Hashable]) -> tuple[int, ...]:
+    """The ranks outside the largest group of equal values: the likely culprits."""
+    common, _ = Counter(values.values()).most_common(1)[0]
+    return tuple(sorted(r for r, v in values.items() if v != common))
 
 
 def disagreement(name: str, values: Mapping[int, str]) -> str | None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cohortgate.coordinator.decision.checks.base import Check, Context, Result, disagreement
+from cohortgate.coordinator.decision.checks.base import (
+    Check,
+    Context,
+    Result,
+    disagreement,
+    minority,
+)
 from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
 
 
@@ -43,7 +49,7 @@ class RuntimeCheck(Check):
         text = disagreement(self.field, values)
         if text is None:
             return Result()
-        return Result((Finding(self.name, level, text, tuple(sorted(members))),))
+        return Result((Finding(self.name, level, text, minority(values)),))
 
     def reason(self, ctx: Context, strict: list[Finding]) -> str:
         n = ctx.cohort.world_size
