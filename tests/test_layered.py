@@ -157,7 +157,7 @@ def test_runtime_policies_strict_warn_and_per_job() -> None:
     d, refusal = judge(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, OPTS)
     assert d.outcome is Outcome.REFUSED and d.cause is Cause.RUNTIME
     assert refusal is not None and refusal.headline == (  # the odd rank, not all eight
-        "runtime.nccl: rank 6: nccl_version: 2.21 on ranks 0-5,7, 2.18 on rank 6"
+        "runtime.nccl: nccl_version: 2.21 on ranks 0-5,7, 2.18 on rank 6"
     )
     relaxed = FormationOptions(policies=Policies.parse(per_job=["mesh:runtime.nccl=warn"]))
     d = decide(cohort({r: mesh_layout(r) for r in range(8)}, runtime=runtime), 1.0, relaxed)

@@ -48,7 +48,12 @@ def test_signatures_that_differ_only_in_their_last_byte_are_two_models() -> None
     state.add(member(0, bytes(sig), m), 0.0)
     state.add(member(1, other, m), 0.0)
     decision = decide(state, 1.0, OPTS)
-    assert decision.outcome is not Outcome.FORMED
+    # two models: the decision waits for both manifests, to say how they differ
+    assert decision.outcome is Outcome.WAITING
+    assert (
+        decision.reason == "[2/2 ranks joined, 2 different signatures, waiting for 2 manifest(s)]"
+    )
+    assert set(decision.awaiting_manifests) == {bytes(sig), other}
     assert len(state.classes) == 2, "one class per signature, every byte of it"
 
 

@@ -41,7 +41,7 @@ def _class_line(c: SignatureClass, label: str) -> str:
         f"{label} signature {c.signature.hex()[:12]}: {plural(len(c.ranks), 'rank')} "
         f"[{ranges.compress_capped(c.ranks)}] on {plural(len(c.hosts), 'host')} "
         f"{hosts(c.hosts)}, "
-        f"{c.manifest_entries} tensors"
+        f"{plural(c.manifest_entries, 'tensor')}"
     )
 
 
@@ -87,7 +87,7 @@ def culprits_headline(decision: Decision) -> str | None:
     first = culprits[0]
     ref = refs.get(first.group)
     group = f" in replica group {first.group}" if first.group else ""
-    more = f" (and {len(culprits) - 1} more class(es))" if len(culprits) > 1 else ""
+    more = f" (and {plural(len(culprits) - 1, 'more class')})" if len(culprits) > 1 else ""
     if ref is not None and len(ref.ranks) <= max(len(c.ranks) for c in culprits):
         # A tie for the most ranks: the reference is only the one holding the lowest
         # rank, so no side is named as the one that differs.

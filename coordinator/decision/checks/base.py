@@ -139,8 +139,10 @@ class Check(Words):
     def strict_headline(self, strict: list[Finding]) -> str:
         """A refusal by findings (at least one strict): the first, in words."""
         f = strict[0]
+        named = ranges.compress_capped(f.ranks)
         word = "rank" if len(f.ranks) == 1 else "ranks"
-        ranks = f"{word} {ranges.compress_capped(f.ranks)}: " if f.ranks else ""
+        # (not where the text names them already: "rank 5 declares position ...")
+        ranks = f"{word} {named}: " if f.ranks and f"{word} {named}" not in f.text else ""
         return f"{f.check}: {ranks}{f.text}"
 
     def report(self, r: Refused) -> str:

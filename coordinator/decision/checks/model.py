@@ -20,7 +20,7 @@ from cohortgate.coordinator.decision.checks.base import (
 from cohortgate.coordinator.decision.checks.layout import layered_reason
 from cohortgate.coordinator.decision.classes import replica_classes, signature_classes
 from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
-from cohortgate.coordinator.decision.words import MODEL_ADVICE, all_ranks
+from cohortgate.coordinator.decision.words import MODEL_ADVICE, all_ranks, plural
 
 # Global fingerprint fields of a layout that name the model itself.
 _FINGERPRINT: dict[str, Callable[[Layout], str]] = {
@@ -79,7 +79,8 @@ class ModelCheck(Check):
             Finding(
                 self.name,
                 level,
-                f"{groups} replica group(s) hold differing signatures",
+                f"{plural(groups, 'replica group')} {'holds' if groups == 1 else 'hold'} "
+                "differing signatures",
                 tuple(r for c in classes for r in c.ranks),
             )
         )
