@@ -222,3 +222,58 @@ def test_a_runtime_refusal_names_its_checks_in_the_reason() -> None:
         == "[8/8 ranks joined; runtimes disagree: runtime.device_type, runtime.nccl]"
     )
     assert verdict is not None and [f.ranks for f in verdict.findings] == [(6,), (6,)]
+
+
+def test_a_config_that_built_other_models_leads_with_the_config_then_the_models() -> None:
+    base, odd = {"n_head": "4"}, {"n_head": "8"}
+    s = state(
+        {r: {"config": fields_of(odd if r == 3 else base)} for r in range(4)},
+        built={3: manifest_of(width=8)},
+    )
+    v = refused(s)
+    assert v.cause is Cause.CONFIG
+    assert (
+        v.headline
+        == "ranks disagree on the model config: config.n_head: 4 on ranks 0-2, 8 on rank 3"
+    )
+    assert v.report.splitlines()[0] == (
+        "cohortgate refused to form job 'j' round 1: all 4 ranks joined, but they disagree on "
+        "the model config, and so built 2 different models (the shape differences below follow "
+        "from it)."
+    )
+
+
+def test_a_file_list_from_one_side_only_still_says_the_files_were_not_named() -> None:
+    files = {r: _files("model/attn.py" if r == 3 else "") for r in range(4)}
+    s = state({r: {"code": _modules(files[r])} for r in range(4)})
+    s.files[_key(s, 0)] = tuple(sorted(files[0].items()))  # rank 3's never came
+    opts = FormationOptions(
+        join_deadline_s=60, manifest_timeout_s=5, policies=Policies.parse(["code=strict"])
+    )
+    assert judge(s, 1.0, opts)[0].outcome is Outcome.WAITING  # its list is asked for
+    assert refused(s, opts, now=6.0).headline == (
+        "ranks run different training code: code.modules: files not named (their ranks did not "
+        "send the list in time) on rank 3 (node1), against ranks 0-2 (node0, node1)"
+    )
+
+
+def test_layout_fields_that_differ_name_the_odd_rank_and_the_reason_the_checks() -> None:
+    lays = {r: mesh_layout(r) for r in range(8)}
+    lays[3] = dataclasses.replace(lays[3], sizes={**lays[3].sizes, "dp": 4, "pp": 1}, dtype="bf16")
+    decision, v = judge(cohort(lays), 1.0, OPTS)
+    assert decision.reason == "[8/8 ranks joined; layered identity: layout, model]"
+    assert v is not None and v.findings == (
+        Finding("layout", STRICT, "dp_size: 2 on ranks 0-2,4-7, 4 on rank 3", (3,)),
+        Finding("layout", STRICT, "pp_size: 2 on ranks 0-2,4-7, 1 on rank 3", (3,)),
+        Finding("model", STRICT, "dtype: (none) on ranks 0-2,4-7, bf16 on rank 3", (3,)),
+    )
+    assert v.headline == "layout: dp_size: 2 on ranks 0-2,4-7, 4 on rank 3"
+
+
+def test_a_mesh_of_one_position_for_two_ranks() -> None:
+    from cohortgate.coordinator.contract.layout import Layout
+
+    v = refused(cohort({r: Layout({"tp": 1}, {"tp": 0}) for r in range(2)}))
+    assert v.findings == (
+        Finding("layout", STRICT, "the mesh 1 has 1 positions but the world size is 2", (0, 1)),
+    )

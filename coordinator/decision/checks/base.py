@@ -4,7 +4,7 @@ words of its refusal (headline, report head, advice)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -162,3 +162,18 @@ def minority(values: Mapping[int, Hashable]) -> tuple[int, ...]:
 
 def disagreement(name: str, values: Mapping[int, str]) -> str | None:
     return None if len(set(values.values())) <= 1 else f"{name}: {by_value(values)}"
+
+
+def layout_findings(
+    check: str,
+    level: Level,
+    layouts: Mapping[int, Layout],
+    fields: Mapping[str, Callable[[Layout], str]],
+) -> list[Finding]:
+    """One finding per layout field the ranks disagree on, naming the odd ranks."""
+    out = []
+    for name, get in fields.items():
+        values = {r: get(lay) for r, lay in layouts.items()}
+        if (text := disagreement(name, values)) is not None:
+            out.append(Finding(check, level, text, minority(values)))
+    return out

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 from cohortgate.coordinator.contract import ranges
 from cohortgate.coordinator.contract.layout import AXES, Layout
-from cohortgate.coordinator.decision.checks.base import Check, Context, Result, disagreement
+from cohortgate.coordinator.decision.checks.base import Check, Context, Result, layout_findings
 from cohortgate.coordinator.decision.verdict import Cause, Finding, Level
 from cohortgate.coordinator.decision.words import MODEL_ADVICE
 
@@ -72,12 +72,7 @@ class LayoutCheck(LayeredCheck):
                     ),
                 )
             )
-        everyone = tuple(sorted(layouts))
-        out = [
-            Finding(self.name, level, text, everyone)
-            for name, get in _FIELDS.items()
-            if (text := disagreement(name, {r: get(lay) for r, lay in layouts.items()}))
-        ]
+        out = layout_findings(self.name, level, layouts, _FIELDS)
         if out:
             return Result(tuple(out))
         return Result(tuple(self._placement(layouts, ctx.cohort.world_size, level)))

@@ -15,7 +15,7 @@ from cohortgate.coordinator.decision.checks.base import (
     Context,
     Refused,
     Result,
-    disagreement,
+    layout_findings,
 )
 from cohortgate.coordinator.decision.checks.layout import layered_reason
 from cohortgate.coordinator.decision.classes import replica_classes, signature_classes
@@ -60,12 +60,7 @@ class ModelCheck(Check):
         layouts, n = ctx.layouts, ctx.cohort.world_size
         if len(layouts) < n:
             return Result()  # the layout check names the ranks without one
-        everyone = tuple(sorted(layouts))
-        found = [
-            Finding(self.name, level, text, everyone)
-            for name, get in _FINGERPRINT.items()
-            if (text := disagreement(name, {r: get(lay) for r, lay in layouts.items()}))
-        ]
+        found = layout_findings(self.name, level, layouts, _FINGERPRINT)
         if ctx.found_by("layout", Level.STRICT):
             return Result(tuple(found), cause=Cause.LAYOUT)
         classes = replica_classes(ctx.cohort)
