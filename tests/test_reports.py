@@ -268,6 +268,7 @@ def test_layout_fields_that_differ_name_the_odd_rank_and_the_reason_the_checks()
         Finding("model", STRICT, "dtype: (none) on ranks 0-2,4-7, bf16 on rank 3", (3,)),
     )
     assert v.headline == "layout: dp_size: 2 on ranks 0-2,4-7, 4 on rank 3"
+    assert v.cause is Cause.LAYOUT  # the layout's words lead, not the replica classes'
 
 
 def test_a_mesh_of_one_position_for_two_ranks() -> None:
