@@ -278,3 +278,22 @@ def test_a_mesh_of_one_position_for_two_ranks() -> None:
     assert v.findings == (
         Finding("layout", STRICT, "the mesh 1 has 1 positions but the world size is 2", (0, 1)),
     )
+
+
+def test_a_headline_names_the_ranks_unless_its_text_names_exactly_them() -> None:
+    from cohortgate.coordinator.decision.checks.runtime import RUNTIME_CHECKS
+
+    check = RUNTIME_CHECKS[1]  # runtime.nccl: the shared headline of findings
+
+    def headline(text: str, ranks: tuple[int, ...]) -> str:
+        return check.strict_headline([Finding(check.name, STRICT, text, ranks)])
+
+    assert headline("x on rank 1", (1,)) == "runtime.nccl: x on rank 1"
+    assert headline("x on rank 12", (1,)) == "runtime.nccl: rank 1: x on rank 12"
+    assert headline("x on ranks 0-5,7", (0, 1, 2, 3, 4, 5)) == (
+        "runtime.nccl: ranks 0-5: x on ranks 0-5,7"
+    )
+    assert headline("x on ranks 0-5, y on rank 6", (0, 1, 2, 3, 4, 5)) == (
+        "runtime.nccl: x on ranks 0-5, y on rank 6"
+    )
+    assert headline("no ranks named", ()) == "runtime.nccl: no ranks named"

@@ -3,6 +3,7 @@ words of its refusal (headline, report head, advice)."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -139,10 +140,12 @@ class Check(Words):
     def strict_headline(self, strict: list[Finding]) -> str:
         """A refusal by findings (at least one strict): the first, in words."""
         f = strict[0]
-        named = ranges.compress_capped(f.ranks)
         word = "rank" if len(f.ranks) == 1 else "ranks"
-        # (not where the text names them already: "rank 5 declares position ...")
-        ranks = f"{word} {named}: " if f.ranks and f"{word} {named}" not in f.text else ""
+        said = f"{word} {ranges.compress_capped(f.ranks)}"
+        # Not where the text names them already ("rank 5 declares position ..."); "rank 1"
+        # is not named by "rank 12", nor "ranks 0-5" by "ranks 0-5,7".
+        named = re.search(rf"(?<!\w){re.escape(said)}(?![\d-]|,\d)", f.text)
+        ranks = f"{said}: " if f.ranks and named is None else ""
         return f"{f.check}: {ranks}{f.text}"
 
     def report(self, r: Refused) -> str:
