@@ -283,7 +283,7 @@ def test_ranks_whose_local_modules_differ_are_asked_for_their_files_then_the_fil
 ):
     odd = {2: _files("helper.py"), 3: _files("helper.py")}
     files = {r: odd.get(r, _files()) for r in range(4)}
-    s = state({r: {"code": _modules(files[r])} for r in range(4)})
+    s = code_state(files)
     strict = FormationOptions(join_deadline_s=60, policies=Policies.parse(["code=strict"]))
     waiting, _ = judge(s, 1.0, strict)
     assert waiting.outcome is Outcome.WAITING
@@ -291,8 +291,7 @@ def test_ranks_whose_local_modules_differ_are_asked_for_their_files_then_the_fil
         waiting.reason == "[4/4 ranks joined, their code differs, waiting for 2 code file list(s)]"
     )
     assert len(waiting.awaiting_files) == 2
-    for r in (0, 2):  # one rank per class uploads (what the store keeps once checked)
-        s.files[_key(s, r)] = tuple(sorted(files[r].items()))
+    send_lists(s, files, (0, 2))
     refused, verdict = judge(s, 1.1, strict)
     assert refused.outcome is Outcome.REFUSED and refused.cause is Cause.CODE
     assert verdict is not None
@@ -308,9 +307,24 @@ def _key(s: CohortState, rank: int) -> bytes:
     return modules_key(s.members[rank])
 
 
+def code_state(files: Mapping[int, dict[str, bytes]], listed: tuple[int, ...] = ()) -> CohortState:
+    """A complete cohort whose ranks sent the modules fields of `files`, with the file lists
+    of the ranks `listed` come (see send_lists)."""
+    s = state({r: {"code": _modules(f)} for r, f in files.items()})
+    send_lists(s, files, listed)
+    return s
+
+
+def send_lists(
+    s: CohortState, files: Mapping[int, dict[str, bytes]], ranks: tuple[int, ...]
+) -> None:
+    """The file lists of `ranks` uploaded (one rank per class: what the store keeps)."""
+    for r in ranks:
+        s.files[_key(s, r)] = tuple(sorted(files[r].items()))
+
+
 def test_file_lists_that_never_come_still_refuse_once_the_uploads_are_due() -> None:
-    files = {r: _files("model/attn.py" if r == 3 else "") for r in range(4)}
-    s = state({r: {"code": _modules(files[r])} for r in range(4)})
+    s = code_state({r: _files("model/attn.py" if r == 3 else "") for r in range(4)})
     strict = FormationOptions(
         join_deadline_s=60, manifest_timeout_s=5, policies=Policies.parse(["code=strict"])
     )
@@ -325,10 +339,7 @@ def test_file_lists_that_never_come_still_refuse_once_the_uploads_are_due() -> N
 
 def test_a_file_imported_on_some_ranks_only_is_named_as_such() -> None:
     extra = {**_files(), "debug_hooks.py": b"\x01" * 32}
-    files = {r: extra if r == 1 else _files() for r in range(4)}
-    s = state({r: {"code": _modules(files[r])} for r in range(4)})
-    for r in (0, 1):
-        s.files[_key(s, r)] = tuple(sorted(files[r].items()))
+    s = code_state({r: extra if r == 1 else _files() for r in range(4)}, listed=(0, 1))
     _, verdict = judge(s, 1.0, OPTS)  # code=warn: forms, with the finding
     assert verdict is not None and verdict.outcome is Outcome.FORMED
     assert any(

@@ -15,7 +15,7 @@ from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.report import judge
 from cohortgate.coordinator.decision.verdict import Cause, Finding, Level, Outcome, Verdict
 from tests.helpers import manifest_of
-from tests.test_agreement import _files, _key, _modules, state
+from tests.test_agreement import _files, code_state, state
 from tests.test_layered import OPTS, cohort, manifest, mesh_layout
 from tests.test_verdict_mutants import member
 
@@ -173,10 +173,8 @@ def test_many_differing_files_are_listed_up_to_eight_then_counted() -> None:
     ref = {n: hashlib.sha256(n.encode()).digest() for n in names}
     other = {n: hashlib.sha256(b"changed" + n.encode()).digest() for n in names[:9]}
     other["pkg/new.py"] = b"\x07" * 32  # imported on rank 3 only
-    files = {r: other if r == 3 else ref for r in range(4)}  # m09, m10: not imported on 3
-    s = state({r: {"code": _modules(files[r])} for r in range(4)})
-    for r in (0, 3):
-        s.files[_key(s, r)] = tuple(sorted(files[r].items()))
+    # m09, m10: not imported on rank 3
+    s = code_state({r: other if r == 3 else ref for r in range(4)}, listed=(0, 3))
     strict = FormationOptions(join_deadline_s=60, policies=Policies.parse(["code=strict"]))
     v = refused(s, strict)
     shown = ", ".join(names[:8])
@@ -186,11 +184,7 @@ def test_many_differing_files_are_listed_up_to_eight_then_counted() -> None:
     ), v.headline
     few = {**ref, "pkg/m10.py": b"\x01" * 32}
     del few["pkg/m09.py"]
-    files = {r: few if r == 3 else ref for r in range(4)}
-    s = state({r: {"code": _modules(files[r])} for r in range(4)})
-    for r in (0, 3):
-        s.files[_key(s, r)] = tuple(sorted(files[r].items()))
-    v = refused(s, strict)
+    v = refused(code_state({r: few if r == 3 else ref for r in range(4)}, (0, 3)), strict)
     assert v.headline == (
         "ranks run different training code: code.modules: 2 files differ: pkg/m09.py (not "
         "imported here), pkg/m10.py on rank 3 (node1), against ranks 0-2 (node0, node1)"
@@ -198,13 +192,9 @@ def test_many_differing_files_are_listed_up_to_eight_then_counted() -> None:
     eight = {
         r: ({**ref, **dict.fromkeys(names[:8], b"\x02" * 32)} if r == 3 else ref) for r in range(4)
     }
-    s = state({r: {"code": _modules(eight[r])} for r in range(4)})
-    for r in (0, 3):
-        s.files[_key(s, r)] = tuple(sorted(eight[r].items()))
-    assert refused(s, strict).headline.endswith(
+    assert refused(code_state(eight, (0, 3)), strict).headline.endswith(
         f"8 files differ: {shown} on rank 3 (node1), against ranks 0-2 (node0, node1)"
     )
-    assert _files()  # (the helper this module shares with test_agreement)
 
 
 # -- runtime ---------------------------------------------------------------------------------
@@ -244,9 +234,8 @@ def test_a_config_that_built_other_models_leads_with_the_config_then_the_models(
 
 
 def test_a_file_list_from_one_side_only_still_says_the_files_were_not_named() -> None:
-    files = {r: _files("model/attn.py" if r == 3 else "") for r in range(4)}
-    s = state({r: {"code": _modules(files[r])} for r in range(4)})
-    s.files[_key(s, 0)] = tuple(sorted(files[0].items()))  # rank 3's never came
+    # rank 0's list came (its class's), rank 3's never did
+    s = code_state({r: _files("model/attn.py" if r == 3 else "") for r in range(4)}, (0,))
     opts = FormationOptions(
         join_deadline_s=60, manifest_timeout_s=5, policies=Policies.parse(["code=strict"])
     )
