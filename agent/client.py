@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,10 +27,43 @@ logger = logging.getLogger("cohortgate.agent")
 
 # Codes worth retrying: the coordinator restarted, is shutting down, or is not up yet. A
 # call the server cancelled (grpc ends the calls still open when a coordinator stops) is one
-# too: this client never cancels its own join.
+# too (this client cancels its own join only when grpc's deadline failed to: Overdue).
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 # Rank 0 reports progress no more often than this.
 PROGRESS_EVERY_S = 5.0
+# grpc's own deadline was seen not to end a join: a call that stayed open for an hour, its
+# deadline long past and no connection left, after the replica it had reached was stopped
+# with SIGTERM (1 in ~100 runs of the rolling-update test). A join still open this long past
+# its deadline is cancelled by the agent's own timer.
+OVERDUE_S = 5.0
+
+
+class Overdue(Exception):
+    """grpc's deadline did not end a call: the agent's timer cancelled it."""
+
+
+@contextlib.contextmanager
+def cancelled_when_overdue(call: grpc.RpcContext, after_s: float) -> Iterator[None]:
+    """Cancel `call` `after_s` seconds from now unless the block has ended by then; the
+    block's grpc error is then raised as Overdue (not as the CANCELLED of a server that
+    stopped, which is retried at once)."""
+    fired = threading.Event()
+
+    def overdue() -> None:
+        fired.set()
+        call.cancel()
+
+    timer = threading.Timer(after_s, overdue)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except grpc.RpcError:
+        if fired.is_set():
+            raise Overdue(f"the call was still open {after_s:g}s after it started") from None
+        raise
+    finally:
+        timer.cancel()
 
 
 def _timeout_from_env() -> float:
@@ -221,6 +255,9 @@ def _join_loop(
                 digests,
                 reach,
             )
+        except Overdue as exc:
+            last_error = f"DEADLINE_EXCEEDED: {exc}; cancelled by the agent"
+            continue
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -397,37 +434,39 @@ def _stream(
     digests: Sequence[bytes] | None = None,
     reach: _Reachability | None = None,
 ) -> pb.Verdict:
-    last_said = float("-inf")
     # Not wait_for_ready: an unreachable coordinator must fail the call at once, so that
     # the loop above can say so and retry, instead of blocking silently until the deadline.
-    for event in stub.Join(request, timeout=timeout, metadata=metadata):
-        if reach is not None:
-            reach.reached()
-            reach = None
-        kind = event.WhichOneof("event")
-        if kind == "verdict":
-            verdict: pb.Verdict = event.verdict
-            return verdict
-        if kind == "manifest_request":
-            upload = wire.manifest_answer(request, event.manifest_request.round, manifest)
-            _answer(stub.UploadManifestChunks, upload, "manifest", identity, timeout, metadata)
-        elif kind == "digest_request" and event.digest_request.files:
-            # this rank's local code differs from another rank's: name the files
-            _answer_files(stub, request, event.digest_request.round, identity, metadata)
-        elif kind == "digest_request":
-            # this rank's weights differ from another replica's: name the tensors
-            answer = wire.digests_answer(request, event.digest_request.round, digests or ())
-            _answer(stub.UploadDigestsChunks, answer, "digests", identity, timeout, metadata)
-        elif kind == "progress":
-            progress = event.progress
-            request.round = progress.round  # a reconnect re-joins this round, not a new one
-            if on_progress is not None:
-                on_progress(progress)
-            now = time.monotonic()
-            if identity.rank == 0 and now - last_said >= PROGRESS_EVERY_S:
-                last_said = now
-                _say(f"job {progress.job_id} round {progress.round}: {progress.message}")
-    raise CohortgateError(
-        f"the cohortgate coordinator at {identity.addr} ended the join of rank "
-        f"{identity.rank} without a verdict"
-    )
+    call = stub.Join(request, timeout=timeout, metadata=metadata)
+    last_said = float("-inf")
+    with cancelled_when_overdue(call, timeout + OVERDUE_S):
+        for event in call:
+            if reach is not None:
+                reach.reached()
+                reach = None
+            kind = event.WhichOneof("event")
+            if kind == "verdict":
+                verdict: pb.Verdict = event.verdict
+                return verdict
+            if kind == "manifest_request":
+                upload = wire.manifest_answer(request, event.manifest_request.round, manifest)
+                _answer(stub.UploadManifestChunks, upload, "manifest", identity, timeout, metadata)
+            elif kind == "digest_request" and event.digest_request.files:
+                # this rank's local code differs from another rank's: name the files
+                _answer_files(stub, request, event.digest_request.round, identity, metadata)
+            elif kind == "digest_request":
+                # this rank's weights differ from another replica's: name the tensors
+                answer = wire.digests_answer(request, event.digest_request.round, digests or ())
+                _answer(stub.UploadDigestsChunks, answer, "digests", identity, timeout, metadata)
+            elif kind == "progress":
+                progress = event.progress
+                request.round = progress.round  # a reconnect re-joins this round, not a new one
+                if on_progress is not None:
+                    on_progress(progress)
+                now = time.monotonic()
+                if identity.rank == 0 and now - last_said >= PROGRESS_EVERY_S:
+                    last_said = now
+                    _say(f"job {progress.job_id} round {progress.round}: {progress.message}")
+        raise CohortgateError(
+            f"the cohortgate coordinator at {identity.addr} ended the join of rank "
+            f"{identity.rank} without a verdict"
+        )
