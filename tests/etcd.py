@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.helpers import free_port, kill_group, program
+from tests.helpers import free_port, freeze, kill_group, program
 
 
 class EtcdServer:
@@ -126,7 +126,7 @@ class EtcdServer:
     def pause(self) -> None:
         """SIGSTOP: a hung etcd, whose connections stay open and answer nothing."""
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGSTOP)
+        freeze(self.proc.pid, group=True)
 
     def resume(self) -> None:
         assert self.proc is not None

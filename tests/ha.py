@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helpers import coordinator_process, log_events, serving_pid
+from tests.helpers import coordinator_process, freeze, log_events, serving_pid
 
 SERVICE = "cohortgate.v1.CohortService"
 
@@ -41,7 +41,10 @@ class Replica:
         return bool(self.health() == health_pb2.HealthCheckResponse.SERVING)
 
     def signal(self, sig: signal.Signals) -> None:
-        os.kill(self.pid, sig)
+        if sig == signal.SIGSTOP:
+            freeze(self.pid)  # returns once it is stopped, not merely signalled
+        else:
+            os.kill(self.pid, sig)
 
     def events(self, name: str) -> list[dict[str, object]]:
         return [e for e in log_events(self.log) if e.get("event") == name]

@@ -331,6 +331,47 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def freeze(pid: int, *, group: bool = False, within: float = 10.0) -> None:
+    """SIGSTOP a process (or its whole process group) and return once every thread of it is
+    stopped. kill() only queues the stop: until the kernel has stopped each thread, one that
+    is already awake can still answer a request sent right after (a "hung" etcd that served
+    the test's call under load)."""
+    if group:
+        os.killpg(pid, signal.SIGSTOP)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    give_up = time.monotonic() + within
+    while True:
+        running = [t for p in (_group_of(pid) if group else [pid]) for t in _running_threads(p)]
+        if not running:
+            return
+        assert time.monotonic() < give_up, f"threads {running} of {pid} not stopped in {within} s"
+        time.sleep(0.01)
+
+
+def _group_of(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+    return pids
+
+
+def _running_threads(pid: int) -> list[str]:
+    """The threads of `pid` not (yet) stopped: state field of /proc/PID/task/TID/stat."""
+    running = []
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                state = stat.rsplit(")", 1)[1].split()[0]  # after "(comm)", which may hold spaces
+                if state not in ("T", "t", "Z", "X"):
+                    running.append(tid)
+    return running
+
+
 # -- real launches ----------------------------------------------------------------------
 TRAIN = REPO / "examples" / "train.py"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from tests.helpers import (
     REPO,
     InProcessCoordinator,
     free_port,
+    freeze,
     join_request,
     kill_group,
     log_events,
@@ -102,7 +102,7 @@ def test_a_frozen_rank_behind_a_relay_is_dropped_within_the_grace_and_its_restar
             first = pool.submit(run_rank, relay, join_request("frozen", 0, 3, m), m, 60)
             frozen = rank_process(relay, "frozen", 1, 3)
             wait_until("ranks 0-1 reach the coordinator", lambda: holds(c, "frozen", 1), 30)
-            os.kill(frozen.pid, signal.SIGSTOP)
+            freeze(frozen.pid)
             dropped_s = wait_until(
                 "the frozen rank dropped", lambda: not holds(c, "frozen", 1), GRACE + 1.0
             )
@@ -155,7 +155,7 @@ def test_a_relay_takes_a_new_grace_when_its_coordinator_restarts_with_one(
             first = pool.submit(run_rank, relay, join_request("tightened", 0, 3, m), m, 60)
             frozen = rank_process(relay, "tightened", 1, 3)
             wait_until("ranks 0-1 in", lambda: holds(c, "tightened", 1), 30)
-            os.kill(frozen.pid, signal.SIGSTOP)
+            freeze(frozen.pid)
             wait_until("the frozen rank dropped", lambda: not holds(c, "tightened", 1), GRACE + 1)
             kill_group(frozen)
             frozen = None

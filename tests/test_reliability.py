@@ -26,6 +26,7 @@ from tests.helpers import (
     agent_rank,
     coordinator_process,
     free_port,
+    freeze,
     join_request,
     kill_group,
     manifest_of,
@@ -145,7 +146,7 @@ def test_a_frozen_rank_is_dropped_within_the_grace_and_its_restart_takes_the_ran
         while not c.call(lambda: _holds(c, "frozen", 1)):
             assert time.monotonic() < give_up, "the rank never joined"
             time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGSTOP)  # frozen: its connection stays open
+        freeze(proc.pid)  # frozen: its connection stays open
         frozen_at = time.monotonic()
         while c.call(lambda: _holds(c, "frozen", 1)):
             assert time.monotonic() - frozen_at < 3.0, "a frozen rank outlived the grace"
