@@ -27,6 +27,14 @@ for _kind in ("STATE", "CACHE", "CONFIG", "DATA"):
     os.environ[f"XDG_{_kind}_HOME"] = str(SANDBOX_HOME / f".{_kind.lower()}")
 
 
+# Hypothesis keeps its example database, constants cache and failure patches in
+# ./.hypothesis by default: the checkout. They go to the sandbox too (a failing example is
+# printed in full, so nothing needed for a rerun is lost).
+import hypothesis.configuration  # noqa: E402
+
+hypothesis.configuration.set_hypothesis_home_dir(str(SANDBOX_HOME / ".hypothesis"))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(SANDBOX_HOME, ignore_errors=True)
 

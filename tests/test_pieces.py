@@ -3,6 +3,7 @@ once, against a brute-force count of every cell; the wire's columns and their va
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 
@@ -111,6 +112,49 @@ def test_every_tensor_at_once_agrees_with_the_brute_force_count(cohort) -> None:
     assert broken <= flagged <= broken | empty
     # Every tensor checked alone, as a large one is: the same verdicts.
     assert named(findings(layouts, large=1)) == broken
+
+
+def scaled(layouts: dict[int, Layout], k: int) -> dict[int, Layout]:
+    """Every shape, offset and length times `k`: each tensor tiles exactly as before."""
+
+    def times(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(v * k for v in values)
+
+    return {
+        r: dataclasses.replace(
+            lay,
+            pieces=tuple(
+                ShardPiece(p.tensor, times(p.shape), times(p.offset), times(p.length), p.replicated)
+                for p in lay.pieces
+            ),
+        )
+        for r, lay in layouts.items()
+    }
+
+
+# Not scaled down under `make mutation` (a few seconds): this is the test that tells a fast
+# path that waves a broken tensor through from one that does not, and 20 examples miss it.
+@settings(max_examples=300, deadline=None)
+@given(cohorts(), st.sampled_from([1, 5003]))
+def test_the_columns_flag_every_tensor_that_does_not_tile_and_no_grid_that_does(  # type: ignore[no-untyped-def]
+    cohort, k
+) -> None:
+    """The columnar pass alone (no one-by-one check after it), small cut spaces (a prefix
+    count) and large ones (k = 5003: sorted cuts and binary search): every tensor that does
+    not tile is flagged, and nothing else except tensors with an empty piece."""
+    layouts, tiles = cohort
+    broken = {name for name, ok in tiles.items() if not ok}
+    table = CohortPieces(scaled(layouts, k))
+    large, failing = table.examine(0)
+    assert not large
+    flagged = {table.names[t] for t in failing}
+    empty = {
+        p.tensor
+        for lay in layouts.values()
+        for p in lay.pieces
+        if not p.replicated and 0 in p.length
+    }
+    assert broken <= flagged <= broken | empty, (broken, flagged)
 
 
 def test_a_large_tensor_is_checked_alone_and_its_problems_named() -> None:
