@@ -120,3 +120,33 @@ def test_the_coverage_check_agrees_with_the_brute_force_count(layout) -> None:  
     objects = [coverage.Piece(i, off, ln) for i, (off, ln) in enumerate(pieces)]
     tiled = in_bounds and bool((brute(shape, pieces) == 1).all()) and math.prod(shape) > 0
     assert (coverage.check("t", shape, objects) == []) == tiled
+
+
+def huge(dims: int) -> int:
+    """A scale that puts any shape's corner space (each size times it, plus one, multiplied
+    out) at or past 2^62, with every coordinate still below 2^63: the row-sorting path."""
+    return 2 ** {1: 60, 2: 31, 3: 21, 4: 16}[dims]
+
+
+# Not scaled down under `make mutation`: the only test that reaches the sorting paths (a
+# corner space past the counting limit, and past 2^62), where a tensor of a real model's
+# size goes; a few seconds.
+@settings(max_examples=300, deadline=None)
+@given(layouts(), st.sampled_from(["counting", "sorted", "rows"]))
+def test_odd_corners_scale_with_the_layout_on_every_path(layout, path) -> None:  # type: ignore[no-untyped-def]
+    """Corner parity is linear: the odd corners of a layout with every size times k are its
+    odd corners times k, whichever way the keys are counted (a bincount of a small space,
+    sorted int64 keys, or sorted rows of coordinates)."""
+    shape, pieces = layout
+    offsets, lengths = arrays(pieces, len(shape))
+    k = {"counting": 1, "sorted": 5003, "rows": huge(len(shape))}[path]
+    big = tuple(s * k for s in shape)
+    want = parity.odd_corners(shape, offsets, lengths) * k
+    got = parity.odd_corners(big, offsets * k, lengths * k)
+    assert got.shape == want.shape and (got == want).all(), (got, want)
+    in_bounds = all(
+        o + n <= s for off, ln in pieces for o, n, s in zip(off, ln, shape, strict=True)
+    )
+    if in_bounds and all(math.prod(p[1]) > 0 for p in pieces):
+        points = parity.mismatches(big, offsets * k, lengths * k)
+        assert (points == parity.mismatches(shape, offsets, lengths) * k).all()
