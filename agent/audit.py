@@ -48,6 +48,15 @@ PROBE_S = 0.1
 # What a process exits with when its exit hook finds a divergence under the strict policy
 # (the script ended without cohort.close(), and the stop step was never reached).
 EXIT_DIVERGED = 5
+# Step marks (cohort.step, cohort.audit): sent at most this often while the step changes,
+# and this often while it does not (a rank waiting in a collective still beats, so the
+# coordinator can ask it where it is, and tell a waiting rank from a stopped one).
+STEP_EVERY_S = 1.0
+BEAT_S = 2.0
+# A stall under the strict policy: the main thread has this long to reach cohort.step() and
+# raise CohortStalled; then the background thread ends the process with EXIT_STALLED.
+STALL_GRACE_S = 2.0
+EXIT_STALLED = 6
 
 
 def audit_every() -> int:
@@ -64,6 +73,15 @@ def audit_every() -> int:
             "every Nth step; unset audits every step)"
         )
     return int(text)
+
+
+class CohortStalled(RuntimeError):
+    """No rank of the cohort reached a new step within the stall bound, under `--policy
+    stall=strict`: the report says which rank is where. Raised by cohort.step()."""
+
+    def __init__(self, headline: str, report: str) -> None:
+        super().__init__(f"{headline}\n{report}")
+        self.headline, self.report = headline, report
 
 
 class ReplicasDiverged(RuntimeError):
@@ -119,9 +137,51 @@ class Auditor:
         self._security: ClientSecurity | None = None
         self._upstream: Upstream | None = None
         self._addr = ""
+        # Steps (stall detection): written by the training thread without the lock (one
+        # tuple, atomic), read by the sender.
+        self._mark: tuple[int, float] = (-1, 0.0)  # (step, monotonic time reached)
+        self._pause: tuple[str, float] = ("", 0.0)  # (reason, since)
+        self._beat_sent: tuple[int, float] = (-1, 0.0)  # (step, wall-clock time sent)
+        self._snapshot_for = 0  # a stall whose snapshot the coordinator asked for
+        self._stall_told = 0  # the stall last printed
+        self.stalled: tuple[str, str] | None = None  # strict: (headline, report)
 
     # -- the training thread ---------------------------------------------------------------
+    def mark(self, step: int) -> None:
+        """This rank reached `step`: an assignment (no lock, no network); the sender reports
+        it within STEP_EVERY_S. Raises CohortStalled once a strict stall ended the job."""
+        stalled = self.stalled
+        if stalled is not None:
+            raise CohortStalled(*stalled)
+        if step != self._mark[0]:
+            self._mark = (step, time.monotonic())
+        if self._thread is None:
+            self._start()
+
+    def pause(self, reason: str) -> Any:
+        """A context manager: an on-purpose pause (a checkpoint save) the stall detection
+        skips, up to the coordinator's --pause-limit."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def paused() -> Any:
+            self._pause = (reason or "pause", time.monotonic())
+            with self.cond:
+                self.cond.notify_all()  # said at once, not at the next beat
+            try:
+                yield
+            finally:
+                self._pause = ("", 0.0)
+                self._mark = (self._mark[0], time.monotonic())  # its time is not a stall's
+                with self.cond:
+                    self.cond.notify_all()
+
+        if self._thread is None:
+            self._start()
+        return paused()
+
     def audit(self, model: Any, step: int, optimizer: Any = None, every: int = 0) -> None:
+        self.mark(step)
         self._raise_if_stopped(step)
         if self.level == "off" or step % (every or self.every):
             return
@@ -170,6 +230,7 @@ class Auditor:
             if self.closed:
                 return
             self.closed = self.closing = True
+            self._beat_sent = (-2, 0.0)  # a last beat says this rank is done
             self.cond.notify_all()
             settled = self.cond.wait_for(self._settled, timeout_s) if self._started() else True
             level, stop = self.level, self.stop_step
@@ -241,8 +302,11 @@ class Auditor:
         their own), else every audit queued (steps faster than a call: one call for all)."""
         with self.cond:
             while not self.queue and not self.asked:
+                beat_in = self._beat_due()
+                if beat_in <= 0:
+                    return [self._beat()]
                 if not self._probing():
-                    self.cond.wait()
+                    self.cond.wait(None if beat_in == float("inf") else beat_in)
                     continue
                 # Closing: the last audit again (the coordinator takes it once), for an
                 # answer that says whether its step is compared yet.
@@ -261,6 +325,47 @@ class Auditor:
         audit.tensor_digests.extend(d for _, d in tensors[:MAX_TENSORS])
         audit.tensors_truncated = len(tensors) > MAX_TENSORS
         return [audit]
+
+    def _beat_due(self) -> float:
+        """Seconds until the next step mark is due (<= 0: now); inf when there is no step.
+        Due on whole periods of the wall clock, which the ranks of one host share: a relay
+        takes its node's marks in one batch (one call upstream per node and period)."""
+        step, _ = self._mark
+        if step < 0:
+            return float("inf")
+        sent_step, sent_at = self._beat_sent
+        if self._snapshot_for or sent_step == -2:
+            return 0.0
+        period = STEP_EVERY_S if step != sent_step or self._pause[0] else BEAT_S
+        now = time.time()
+        if now // period > sent_at // period:
+            return 0.0
+        return (now // period + 1) * period - now
+
+    def _beat(self) -> pb.RankAudit:
+        """A step mark: the step and its age, a pause, done, and a snapshot when asked."""
+        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+
+        step, reached = self._mark
+        now = time.monotonic()
+        beat = self._base(step)
+        beat.step_only = True
+        beat.step_age_s = max(0.0, now - reached)
+        reason, since = self._pause
+        if reason:
+            beat.paused, beat.paused_s = reason[:200], max(0.0, now - since)
+        beat.done = self.closed
+        if self._snapshot_for:
+            from cohortgate.agent.stack import main_thread
+
+            w = main_thread()
+            beat.stall_id = self._snapshot_for
+            beat.snapshot.CopyFrom(
+                pb.StackSnapshot(where=w.where, call=w.call, via=w.via, frames=w.frames)
+            )
+            self._snapshot_for = 0
+        self._beat_sent = (step, time.time())
+        return beat
 
     def _run(self) -> None:
         while True:
@@ -322,16 +427,18 @@ class Auditor:
             self._unreachable = True
             details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             log.warning(
-                "cohortgate: audits cannot reach the coordinator at %s (%s); training goes "
-                "on, and audits resume when it answers",
+                "cohortgate: audits and step marks cannot reach the coordinator at %s (%s); "
+                "training goes on, and they resume when it answers",
                 self._upstream or self.identity.addr,
                 str(details or type(exc).__name__).splitlines()[0][:200],
             )
         time.sleep(0.5 if pause is None else max(pause, 0.5))
 
     def _heard(self, answer: pb.AuditAnswer) -> None:
+        if answer.snapshot_wanted or answer.stall_id:
+            self._heard_stall(answer)
         with self.cond:
-            self.level = answer.level
+            self.level = answer.level or self.level
             self.compared_until = max(self.compared_until, answer.compared_until)
             self.tensors_pending = bool(answer.tensors_rank)
             self.cond.notify_all()
@@ -343,3 +450,40 @@ class Auditor:
             for rank, step in zip(answer.tensors_rank, answer.tensors_step, strict=False):
                 if rank == self.identity.rank and step not in self.asked and step in self.kept:
                     self.asked.append(step)
+
+    # -- stalls ----------------------------------------------------------------------------
+    def _heard_stall(self, answer: pb.AuditAnswer) -> None:
+        """A snapshot asked for (sent with the next beat, at once), or a stall reported:
+        said once per stall (the report once per node); under strict, the job ends here."""
+        from cohortgate.agent.torchrun import say, write_error_file
+
+        if answer.snapshot_wanted:
+            with self.cond:
+                self._snapshot_for = answer.snapshot_wanted
+                self.cond.notify_all()
+        if not answer.stall_id or answer.stall_id == self._stall_told:
+            return
+        self._stall_told = answer.stall_id
+        ident = self.identity
+        headline, report = answer.stall_headline, answer.stall_report
+        said = f"[cohortgate] rank {ident.rank} on {ident.host}: {headline}"
+        if ident.local_rank == 0:
+            said += f"\n{report}"
+        if not answer.stall_stop:
+            say(said)
+            return
+        say(f"{said}\n[cohortgate] rank {ident.rank}: ending the job (--policy stall=strict)")
+        write_error_file(ident.error_file, f"CohortStalled: {headline}", f"{headline}\n{report}")
+        self.stalled = (headline, report)
+        # The main thread raises CohortStalled at its next cohort.step(); one stuck in a
+        # collective or in its own code never gets there: the process ends from here.
+        threading.Thread(target=self._end, name="cohortgate-stall", daemon=True).start()
+
+    def _end(self) -> None:
+        import os
+        import sys
+
+        time.sleep(STALL_GRACE_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STALLED)

@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -61,10 +62,30 @@ class Cohort:
         `every` (default: $COHORTGATE_AUDIT_EVERY, else 1): only steps that are a multiple
         of it are digested and sent; the others cost nothing. Call it every step either way:
         a strict stop is raised at the first call at or past the stop step."""
+        self._auditor().audit(model, step, optimizer, every)
+
+    def step(self, step: int) -> None:
+        """This rank reached training step `step` (a counter: no network in the call; the
+        agent's background thread reports it at most once a second). When no rank reaches a
+        new step within the coordinator's --stall-after, the coordinator asks every rank where
+        its main thread is and reports the stall: which rank is where, the odd one out first.
+        Under `--policy stall=strict` the job ends with that report (in torchrun's root cause
+        too); a rank whose main thread reaches this call then raises CohortStalled."""
+        self._auditor().mark(step)
+
+    def pause(self, reason: str = "pause") -> AbstractContextManager[None]:
+        """`with cohort.pause("checkpoint"):` an on-purpose pause (a checkpoint save, an
+        evaluation) that the stall detection skips, up to the coordinator's --pause-limit."""
+        paused: AbstractContextManager[None] = self._auditor().pause(reason)
+        return paused
+
+    def _auditor(self) -> Any:
         from cohortgate.agent.audit import Auditor
 
         if self.identity is None:
-            raise ValueError("this Cohort was not returned by cohortgate.join(): it cannot audit")
+            raise ValueError(
+                "this Cohort was not returned by cohortgate.join(): it cannot audit or mark steps"
+            )
         key = (self.cohort_id, self.rank)
         auditor = _AUDITORS.get(key)
         if auditor is None:
@@ -72,7 +93,7 @@ class Cohort:
                 self.identity, self.cohort_id, self.round, self.replica_group
             )
             _register_close_at_exit()
-        auditor.audit(model, step, optimizer, every)
+        return auditor
 
     def close(self, timeout_s: float = 15.0) -> None:
         """The training loop's last word: wait (up to `timeout_s`) for the audits in flight

@@ -13,7 +13,7 @@ from cohortgate.coordinator.contract.layout import Layout, LayoutBuilder, config
 from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
-    from cohortgate.agent.audit import ReplicasDiverged
+    from cohortgate.agent.audit import CohortStalled, ReplicasDiverged
     from cohortgate.agent.cohort import Cohort, CohortRefused, init_process_group, join
     from cohortgate.agent.dtensor import dtensor_pieces
     from cohortgate.agent.identity import tokenizer_fingerprint
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Cohort",
     "CohortRefused",
+    "CohortStalled",
     "CohortgateError",
     "Entry",
     "Kind",
@@ -52,6 +53,7 @@ _LAZY = {
     "CohortRefused": "cohortgate.agent.cohort",
     "CohortgateError": "cohortgate.agent.torchrun",
     "ReplicasDiverged": "cohortgate.agent.audit",
+    "CohortStalled": "cohortgate.agent.audit",
     "tokenizer_fingerprint": "cohortgate.agent.identity",
 }
 

@@ -23,6 +23,17 @@ Flags make chosen ranks build a different model, to show a refusal:
                     restarts every worker and the next round forms
   --no-close        (with --audit) skip cohort.close() at the end: the agent's exit hook
                     has the last word (a strict divergence still exits non-zero, code 5)
+  --hang-rank R --hang-step S
+                    at step S rank R enters wait_for_batch(), which sleeps for an hour, while
+                    the others go on into the next collective: a hung job (every step calls
+                    cohort.step(step); the coordinator's --stall-after names the stall)
+  --stop-rank R --stop-step S
+                    at step S rank R stops itself (SIGSTOP: a frozen process, as a hung host's)
+  --odd-call-rank R --odd-call-step S
+                    at step S rank R calls broadcast where the others call all_reduce
+  --pause-step S --pause-s X
+                    at step S every rank pauses X seconds on purpose (a checkpoint save,
+                    inside `with cohort.pause("checkpoint"):`)
   --hold-rank R --hold-file F
                     rank R (the flag repeats) joins only once file F exists: a job with some
                     ranks in and the others still to come (the failover tests hold it so)
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import TextIO
@@ -89,6 +101,14 @@ def parse_args() -> argparse.Namespace:
     add("--flip-step", type=int, default=-1, help="the step after which --flip-rank flips")
     add("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (default 0)")
     add("--quiet", action="store_true", help="no line per step")
+    add("--hang-rank", type=int, default=-1, help="rank R hangs at --hang-step (an hour)")
+    add("--hang-step", type=int, default=-1, help="the step --hang-rank hangs at")
+    add("--stop-rank", type=int, default=-1, help="rank R SIGSTOPs itself at --stop-step")
+    add("--stop-step", type=int, default=-1, help="the step --stop-rank stops at")
+    add("--odd-call-rank", type=int, default=-1, help="rank R calls broadcast at --odd-call-step")
+    add("--odd-call-step", type=int, default=-1, help="the step --odd-call-rank goes astray at")
+    add("--pause-step", type=int, default=-1, help="every rank pauses at step S (on purpose)")
+    add("--pause-s", type=float, default=5.0, help="seconds of --pause-step's pause (default 5)")
     add("--crash-rank", type=int, default=-1, help="rank R exits 1 after forming, first try only")
     add(
         "--no-close",
@@ -98,6 +118,29 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def wait_for_batch() -> None:
+    """--hang-rank: the rank waits here while the others go on into the next collective."""
+    time.sleep(3600)  # a data loader that never delivers
+
+
+def astray(args: argparse.Namespace, cohort: cohortgate.Cohort, step: int) -> None:
+    """What the flags make a step do besides training: --hang-rank hangs, --odd-call-rank
+    broadcasts where the others all-reduce (a diverged branch), --pause-step pauses."""
+    if cohort.rank == args.hang_rank and step == args.hang_step:
+        wait_for_batch()
+    if cohort.rank == args.stop_rank and step == args.stop_step:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if step == args.odd_call_step:
+        t = torch.zeros(1)
+        if cohort.rank == args.odd_call_rank:
+            dist.broadcast(t, src=0)
+        else:
+            dist.all_reduce(t)
+    if step == args.pause_step:
+        with cohort.pause("checkpoint"):
+            time.sleep(args.pause_s)
+
+
 def train(args: argparse.Namespace, cohort: cohortgate.Cohort, model: nn.Module) -> int:
     """DDP steps; with --audit each step's weights are compared across the replicas."""
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -105,6 +148,11 @@ def train(args: argparse.Namespace, cohort: cohortgate.Cohort, model: nn.Module)
     gen = torch.Generator().manual_seed(cohort.rank)
     stepping = auditing = 0.0  # seconds in the steps (without --step-sleep), in audit()
     for step in range(args.steps):
+        try:
+            cohort.step(step)  # a counter; the agent reports it (stalls are named)
+        except cohortgate.CohortStalled:
+            return 6  # said on stderr and in torchrun's error file (--policy stall=strict)
+        astray(args, cohort, step)
         started = time.perf_counter()
         x = torch.randn(16, 32, generator=gen)
         loss = ddp(x).pow(2).mean()

@@ -214,7 +214,7 @@ def test_a_coordinator_restart_mid_training_loses_no_audit_of_the_steps_after_it
     out = "".join(seen) + rest
     assert proc.returncode == 0, out
     assert out.count("trained 60 steps") == 4, out
-    unreachable = out.count("audits cannot reach the coordinator")
+    unreachable = out.count("audits and step marks cannot reach the coordinator")
     assert 1 <= unreachable <= 4, out  # once per rank at most
     diverged = [r for r in records if r.kind == "diverged"]
     assert [r.step for r in diverged] == [40], records

@@ -125,7 +125,8 @@ def test_the_coverage_check_agrees_with_the_brute_force_count(layout) -> None:  
 def huge(dims: int) -> int:
     """A scale that puts any shape's corner space (each size times it, plus one, multiplied
     out) at or past 2^62, with every coordinate still below 2^63: the row-sorting path."""
-    return 2 ** {1: 60, 2: 31, 3: 21, 4: 16}[dims]
+    exponent = {1: 60, 2: 31, 3: 21, 4: 16}[dims]
+    return int(2**exponent)
 
 
 # Not scaled down under `make mutation`: the only test that reaches the sorting paths (a

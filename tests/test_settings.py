@@ -233,7 +233,7 @@ def test_a_world_readable_tokens_file_starts_with_a_warning_naming_it(tmp_path: 
 
 # -- one source per setting: flags and variables generated from the settings models -----
 # The flags as they were written by hand before they were generated (issue 24): the same
-# set, each also a variable.
+# set, each also a variable (and those added since: --stall-after, --pause-limit).
 SERVE_FLAGS = [
     "advertise",
     "allow-remote",
@@ -267,10 +267,12 @@ SERVE_FLAGS = [
     "max-watchers-per-token",
     "max-world-size",
     "metrics-listen",
+    "pause-limit",
     "policy",
     "port-file",
     "progress-interval",
     "rank-grace",
+    "stall-after",
     "tls-cert",
     "tls-client-ca",
     "tls-key",

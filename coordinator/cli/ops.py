@@ -55,9 +55,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--audits",
         action="store_true",
-        help="the job's audit findings during training (cohort.audit): replicas that "
-        "diverged (step, ranks, hosts, tensors) and ranks that sent no audit in time "
-        "(default: the verdict's report)",
+        help="the job's findings during training: replicas that diverged (step, ranks, "
+        "hosts, tensors; cohort.audit), ranks that sent no audit in time, and stalls (which "
+        "rank is where; cohort.step) (default: the verdict's report, then its stalls)",
     )
     p.add_argument(
         "--history",
@@ -416,8 +416,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 record = _explain_from_files(addr, args, exc)
     if isinstance(record, int):
         return record
+    stalls = [r for r in _quiet_records(args) if r.cohort_id == record.cohort_id]
+    stalls = [r for r in stalls if r.kind in STALL_KINDS]
     if args.json:
-        print(json.dumps(_dict(record), indent=1))
+        out = _dict(record)
+        out["stalls"] = [{**_dict(r), "step": r.step} for r in stalls]
+        print(json.dumps(out, indent=1))
         return 0
     decided = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.decided_at_unix))
     print(f"job {record.job_id} round {record.round}: {record.outcome} at {decided}Z")
@@ -426,7 +430,48 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if record.report:
         print()
         print(record.report)
+    _print_stalls(stalls)
     return 0
+
+
+# Audit records that are stalls during training (service/stalls.py), not audits.
+STALL_KINDS = ("stalled", "resumed")
+
+
+def _print_stalls(records: Sequence[pb.AuditRecord], listed: bool = False) -> None:
+    """Each stall and its end, one line each (unless `listed` already), then the report of
+    the last stall (said to be going on when no "resumed" came after it)."""
+    if not records:
+        return
+    if not listed:
+        print()
+    for r in records if not listed else ():
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.at_unix))
+        print(f"{at}Z {r.kind} ({r.level}): {r.headline}")
+    last = next((r for r in reversed(records) if r.kind == "stalled"), None)
+    if last is not None:
+        going_on = records[-1] is last
+        print()
+        print(f"the stall{' (still going on)' if going_on else ''}: {last.headline}")
+        print(last.report)
+
+
+def _quiet_records(args: argparse.Namespace) -> list[pb.AuditRecord]:
+    """The job's audit records from where the verdict came, or none (never an error: the
+    verdict is the answer; these add to it)."""
+    try:
+        if args.history:
+            return _from_file(args.history, _audit_records(args.job))
+        if args.etcd:
+            return _from_etcd(args, _audit_records(args.job))
+        security = ClientSecurity.from_env(token=args.token)
+        with security.channel(_addr(args)) as channel:
+            reply = pb_grpc.StatusServiceStub(channel).ListAudits(
+                pb.ListAuditsRequest(job_id=args.job), timeout=10, metadata=security.metadata
+            )
+            return list(reply.audits)
+    except (OSError, ValueError, CoordinatorError, grpc.RpcError):
+        return []
 
 
 def _explain_audits(args: argparse.Namespace) -> int:
@@ -466,6 +511,7 @@ def _explain_audits(args: argparse.Namespace) -> int:
     if last is not None:
         print()
         print(last.report)
+    _print_stalls([r for r in records if r.kind in STALL_KINDS], listed=True)
     return 0
 
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.decision.stall import StallAnswer
 from cohortgate.coordinator.decision.verdict import Level
 from cohortgate.coordinator.decision.words import all_ranks, plural
 from cohortgate.coordinator.decision.words import differ as verb
@@ -83,6 +84,9 @@ class Answer:
     report: str = ""
     diverged_step: int = 0
     compared_until: int = 0  # one past the highest step compared
+    stall: StallAnswer = field(
+        default_factory=StallAnswer
+    )  # the cohort's stall, if any (decision/stall.py)
 
 
 @dataclass

@@ -34,6 +34,18 @@ class FormationOptions:
     # Audits during training: a rank that has not sent its audit of a step this long after
     # the first rank did is named, and the step compared without it.
     audit_timeout_s: float = 60.0
+    # Stalls during training (decision/stall.py): seconds without a new step on any rank,
+    # None for auto (20 times the median step time, at least 60 s); per job overrides; the
+    # longest on-purpose pause (cohort.pause) the detection skips.
+    stall_after_s: float | None = None
+    job_stall_after: tuple[tuple[str, float | None], ...] = ()
+    pause_limit_s: float = 1800.0
+
+    def stall_after_for(self, job_id: str) -> float | None:
+        for job, seconds in self.job_stall_after:
+            if job == job_id:
+                return seconds
+        return self.stall_after_s
 
 
 def decide(cohort: CohortState, now: float, options: FormationOptions) -> Decision:

@@ -158,6 +158,20 @@ class ServeConfig(BaseModel):
         description="one job's check levels, JOB:CHECK=LEVEL, repeatable or comma-separated",
         json_schema_extra=REPEAT,
     )
+    stall_after: str = Field(
+        "auto",
+        description="seconds without a new step on any rank of a formed job (cohort.step, "
+        "cohort.audit) before it counts as stalled: its ranks are asked where they are and "
+        "the stall is reported (--policy stall=...); auto: 20 times the job's median step "
+        "time, at least 60 s; JOB:SECONDS sets one job's (repeatable or comma-separated)",
+        json_schema_extra=REPEAT,
+    )
+    pause_limit: float = Field(
+        1800.0,
+        gt=0,
+        description="seconds of an on-purpose pause (`with cohort.pause(reason):`, a "
+        "checkpoint save) the stall detection skips",
+    )
     max_message_bytes: int = Field(
         4 * 1024 * 1024,
         ge=512 * 1024,  # an upload's chunks (codec.wire.CHUNK_BYTES) must fit
@@ -201,6 +215,12 @@ class ServeConfig(BaseModel):
     etcd_password_file: Path | None = Field(
         None, description="file holding the etcd user's password"
     )
+
+    @field_validator("stall_after")
+    @classmethod
+    def _stall_after(cls, value: str) -> str:
+        parse_stall_after(value)
+        return value
 
     @field_validator("listen")
     @classmethod
@@ -318,7 +338,44 @@ class ServeConfig(BaseModel):
             manifest_timeout_s=self.manifest_timeout,
             policies=self.policies,
             audit_timeout_s=self.audit_timeout,
+            stall_after_s=self.stall_bounds[0],
+            job_stall_after=self.stall_bounds[1],
+            pause_limit_s=self.pause_limit,
         )
+
+    @property
+    def stall_bounds(self) -> tuple[float | None, tuple[tuple[str, float | None], ...]]:
+        """--stall-after as (the default, per job): seconds, or None for auto."""
+        return parse_stall_after(self.stall_after)
+
+
+def parse_stall_after(
+    text: str,
+) -> tuple[float | None, tuple[tuple[str, float | None], ...]]:
+    """`auto`, `SECONDS` and `JOB:SECONDS` (or `JOB:auto`), comma-separated: the default
+    bound and the per-job ones; a clear error for anything else."""
+    default: float | None = None
+    per_job: list[tuple[str, float | None]] = []
+    for token in (t.strip() for t in text.split(",")):
+        if not token:
+            continue
+        job, _, value = token.rpartition(":")
+        if value.strip() == "auto":
+            seconds = None
+        else:
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = -1.0
+            if not 0 < seconds < 1e9:
+                raise ValueError(
+                    f"--stall-after {token!r}: want SECONDS (> 0), auto, or JOB:SECONDS"
+                )
+        if job:
+            per_job.append((job, seconds))
+        else:
+            default = seconds
+    return default, tuple(per_job)
 
 
 def _local_ranks() -> int:

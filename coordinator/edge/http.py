@@ -63,6 +63,7 @@ def snapshot(coordinator: Coordinator, recent: int = 20) -> dict[str, Any]:
         "waiting": [s.to_dict() for s in summaries if s.state == "waiting"],
         "recent_verdicts": verdicts,
         "audits": coordinator.audits.status(),
+        "stalls": coordinator.stalls.status(),
     }
 
 

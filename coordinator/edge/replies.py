@@ -109,6 +109,11 @@ def answer_to_pb(a: Answer) -> pb.AuditAnswer:
         diverged_step=a.diverged_step,
         level=a.level,
         compared_until=a.compared_until,
+        snapshot_wanted=a.stall.snapshot_wanted,
+        stall_id=a.stall.stall_id,
+        stall_headline=a.stall.headline,
+        stall_report=a.stall.report,
+        stall_stop=a.stall.stop,
     )
 
 

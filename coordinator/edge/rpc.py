@@ -32,6 +32,7 @@ from cohortgate.coordinator.contract.manifest import HeldManifest
 from cohortgate.coordinator.contract.runtime import RUNTIME_FIELDS
 from cohortgate.coordinator.decision.audit import RankAudit
 from cohortgate.coordinator.decision.cohort import Member
+from cohortgate.coordinator.decision.stall import Beat, Snapshot
 from cohortgate.coordinator.edge.plumbing import Malformed, parse_request
 from cohortgate.coordinator.state.asks import UploadRef
 from cohortgate.coordinator.state.base import JoinIntent
@@ -303,9 +304,17 @@ def upload_ref(req: pb.UploadManifestHeader) -> UploadRef:
     )
 
 
-# -- audits --------------------------------------------------------------------------------
-def audits_of(req: pb.AuditRequest, limits: Limits = DEFAULT_LIMITS) -> list[RankAudit]:
-    """An AuditRequest's audits, each validated (one job per request)."""
+# -- audits and step marks ----------------------------------------------------------------
+# A stack snapshot's bounds: frames kept (innermost first) and characters per frame or name.
+MAX_SNAPSHOT_FRAMES = 32
+MAX_FRAME_TEXT = 512
+
+
+def audits_of(
+    req: pb.AuditRequest, limits: Limits = DEFAULT_LIMITS
+) -> tuple[list[RankAudit], list[Beat]]:
+    """An AuditRequest's audits (digests to compare) and step marks (every audit marks its
+    step too), each validated (one job per request)."""
     if not req.audits:
         raise InvalidArgument("the AuditRequest holds no audits")
     if len(req.audits) > MAX_AUDITS_PER_CALL:
@@ -313,13 +322,64 @@ def audits_of(req: pb.AuditRequest, limits: Limits = DEFAULT_LIMITS) -> list[Ran
             f"{len(req.audits)} audits in one request; the limit is {MAX_AUDITS_PER_CALL}"
         )
     seen = Seen()
-    out = [_audit(a, limits, seen) for a in req.audits]
-    if len({a.job_id for a in out}) > 1:
+    audits: list[RankAudit] = []
+    beats: list[Beat] = []
+    for a in req.audits:
+        audit, beat = _audit(a, limits, seen)
+        if audit is not None:
+            audits.append(audit)
+        beats.append(beat)
+    if len({b.job_id for b in beats}) > 1:
         raise InvalidArgument("an AuditRequest carries the audits of one job only")
-    return out
+    return audits, beats
 
 
-def _audit(a: pb.RankAudit, limits: Limits, seen: Seen) -> RankAudit:
+def _seconds(value: float, field: str) -> float:
+    if not 0.0 <= value < 1e9:  # also NaN
+        raise InvalidArgument(f"{field} {value!r} is not a number of seconds in 0..1e9")
+    return value
+
+
+def _snapshot(s: pb.StackSnapshot) -> Snapshot:
+    if len(s.frames) > MAX_SNAPSHOT_FRAMES:
+        raise InvalidArgument(
+            f"a stack snapshot of {len(s.frames)} frames; the limit is {MAX_SNAPSHOT_FRAMES}"
+        )
+    return Snapshot(
+        where=text(s.where, "snapshot.where", MAX_FRAME_TEXT, required=True),
+        call=text(s.call, "snapshot.call", MAX_FRAME_TEXT),
+        via=text(s.via, "snapshot.via", MAX_FRAME_TEXT),
+        frames=tuple(text(f, "snapshot.frames", MAX_FRAME_TEXT) for f in s.frames),
+    )
+
+
+def _tensors(a: pb.RankAudit, limits: Limits) -> tuple[tuple[str, bytes], ...] | None:
+    """The per-tensor digests of an audit that carries them; a step mark carries none."""
+    if a.step_only:
+        if a.digest or a.tensor_names or a.tensor_digests:
+            raise InvalidArgument("a step mark (step_only) carries no digest")
+    elif a.tensor_names or a.tensor_digests:
+        if len(a.tensor_names) != len(a.tensor_digests):
+            raise InvalidArgument(
+                f"{len(a.tensor_names)} tensor names for {len(a.tensor_digests)} digests"
+            )
+        if len(a.tensor_names) > limits.max_manifest_entries:
+            raise LimitExceeded(
+                f"{len(a.tensor_names)} tensor digests; the limit is max_manifest_entries="
+                f"{limits.max_manifest_entries}"
+            )
+        return tuple(
+            (text(n, "tensor_names", MAX_NAME), sha256(d, "tensor_digests"))
+            for n, d in zip(a.tensor_names, a.tensor_digests, strict=True)
+        )
+    elif not a.digest:
+        raise InvalidArgument(
+            "a RankAudit carries a digest, per-tensor digests, or both (or is a step mark)"
+        )
+    return None
+
+
+def _audit(a: pb.RankAudit, limits: Limits, seen: Seen) -> tuple[RankAudit | None, Beat]:
     if not 0 < a.world_size <= limits.max_world_size:
         raise InvalidArgument(
             f"world_size {a.world_size} is outside 1..{limits.max_world_size} (--max-world-size)"
@@ -333,23 +393,7 @@ def _audit(a: pb.RankAudit, limits: Limits, seen: Seen) -> RankAudit:
             f"digest_format {a.digest_format} is not {DIGEST_FORMAT_VERSION} "
             "(cohortgate.digest.v2): upgrade the agent or the coordinator so that both agree"
         )
-    tensors = None
-    if a.tensor_names or a.tensor_digests:
-        if len(a.tensor_names) != len(a.tensor_digests):
-            raise InvalidArgument(
-                f"{len(a.tensor_names)} tensor names for {len(a.tensor_digests)} digests"
-            )
-        if len(a.tensor_names) > limits.max_manifest_entries:
-            raise LimitExceeded(
-                f"{len(a.tensor_names)} tensor digests; the limit is max_manifest_entries="
-                f"{limits.max_manifest_entries}"
-            )
-        tensors = tuple(
-            (text(n, "tensor_names", MAX_NAME), sha256(d, "tensor_digests"))
-            for n, d in zip(a.tensor_names, a.tensor_digests, strict=True)
-        )
-    elif not a.digest:
-        raise InvalidArgument("a RankAudit carries a digest, per-tensor digests, or both")
+    tensors = _tensors(a, limits)
     cohort_id = seen.text(a.cohort_id, "cohort_id", 128, required=True)
     job_id = seen.text(a.job_id, "job_id", MAX_JOB_ID, required=True)
     if not cohort_id.startswith(f"{job_id}/{a.round}/"):
@@ -358,17 +402,38 @@ def _audit(a: pb.RankAudit, limits: Limits, seen: Seen) -> RankAudit:
             f"cohort_id {cohort_id[:64]!r} is not a cohort of job {job_id[:64]!r} round "
             f"{a.round} (JOB/ROUND/HASH, as the formed verdict gave it)"
         )
-    return RankAudit(
+    host = seen.text(a.host, "host")
+    incarnation = text(a.incarnation, "incarnation", 128)
+    beat = Beat(
         cohort_id=cohort_id,
         job_id=job_id,
         round=a.round,
         rank=a.rank,
         world_size=a.world_size,
-        host=seen.text(a.host, "host"),
-        incarnation=text(a.incarnation, "incarnation", 128),
+        host=host,
+        incarnation=incarnation,
+        step=a.step,
+        step_age_s=_seconds(a.step_age_s, "step_age_s"),
+        paused=text(a.paused, "paused", MAX_FRAME_TEXT),
+        paused_s=_seconds(a.paused_s, "paused_s"),
+        done=a.done,
+        stall_id=a.stall_id,
+        snapshot=_snapshot(a.snapshot) if a.HasField("snapshot") else None,
+    )
+    if a.step_only:
+        return None, beat
+    audit = RankAudit(
+        cohort_id=cohort_id,
+        job_id=job_id,
+        round=a.round,
+        rank=a.rank,
+        world_size=a.world_size,
+        host=host,
+        incarnation=incarnation,
         step=a.step,
         digest=sha256(a.digest, "digest", optional=True),
         group=seen.text(a.group, "group"),
         tensors=tensors,
         truncated=a.tensors_truncated,
     )
+    return audit, beat

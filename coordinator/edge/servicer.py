@@ -324,10 +324,10 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
     ) -> pb.AuditReply:
         """Rank audits during training: validated, authorised, answered at once."""
         async with answering(self.coordinator, context, "Audit"):
-            audits = rpc.audits_of(request, self.limits)
-            structlog.contextvars.bind_contextvars(job=audits[0].job_id[:64])
-            self.auth.check_job(_metadata(context), audits[0].job_id)
-            answers = self.coordinator.audit(audits)
+            audits, beats = rpc.audits_of(request, self.limits)
+            structlog.contextvars.bind_contextvars(job=beats[0].job_id[:64])
+            self.auth.check_job(_metadata(context), beats[0].job_id)
+            answers = self.coordinator.audit(audits, beats)
             return pb.AuditReply(answers=[replies.answer_to_pb(a) for a in answers])
         raise AssertionError("unreachable")  # answering aborts the call
 

@@ -14,8 +14,9 @@ The store (`state.base.CohortStore`) holds the data; it never decides.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from cohortgate.coordinator.contract.errors import Unavailable
 from cohortgate.coordinator.contract.limits import Limits
@@ -23,6 +24,7 @@ from cohortgate.coordinator.contract.manifest import ManifestLike
 from cohortgate.coordinator.decision.audit import Answer, RankAudit
 from cohortgate.coordinator.decision.cohort import UploadKind
 from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.stall import Beat
 from cohortgate.coordinator.decision.verdict import Outcome
 from cohortgate.coordinator.service.admission import Admission
 from cohortgate.coordinator.service.audits import Audits
@@ -32,6 +34,7 @@ from cohortgate.coordinator.service.deciding import OFFLOAD_ABOVE, Decider
 from cohortgate.coordinator.service.delivery import Delivery
 from cohortgate.coordinator.service.events import JoinEvent, Progress
 from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.service.stalls import Stalls
 from cohortgate.coordinator.service.status import CohortSummary, summarize
 from cohortgate.coordinator.service.uploads import Uploads
 from cohortgate.coordinator.service.watchers import WatchHub
@@ -93,6 +96,7 @@ class Coordinator:
         )
         self.uploads = Uploads(self.store, self.observer, self.evaluate)
         self.audits = Audits(self.options, self.observer, clock, self._formed)
+        self.stalls = Stalls(self.options, self.observer, clock, self._formed)
         # A large listing (status page, ListCohorts) is summarised at most this often:
         # a client polling in a loop must not cost the loop O(cohorts) per call.
         self._listing: dict[str, tuple[float, int, list[CohortSummary]]] = {}
@@ -158,13 +162,24 @@ class Coordinator:
         self.uploads.files(ref, files)
 
     # -- audits during training ----------------------------------------------------------
-    def audit(self, audits: list[RankAudit]) -> list[Answer]:
-        """Rank audits of formed cohorts (one job): what each cohort's ranks are told now. A
-        standby takes none (it names the leader, as for joins)."""
+    def audit(self, audits: list[RankAudit], beats: Sequence[Beat] = ()) -> list[Answer]:
+        """Rank audits and step marks of formed cohorts (one job): what each cohort's ranks
+        are told now (their audits' answer and their stall's). A standby takes none (it
+        names the leader, as for joins)."""
         refusal = self.admission.refusal()
         if refusal is not None:
             raise refusal
-        return self.audits.submit(audits)
+        answers = {a.cohort_id: a for a in self.audits.submit(audits)} if audits else {}
+        if beats:
+            level = str(self.options.policies.for_job(beats[0].job_id)["audit"])
+            for cohort_id, stall in self.stalls.beat(list(beats)).items():
+                known = answers.get(cohort_id)
+                answers[cohort_id] = (
+                    Answer(cohort_id, level, stall=stall)
+                    if known is None
+                    else dataclasses.replace(known, stall=stall)
+                )
+        return list(answers.values())
 
     def _formed(self, job_id: str, round_: int) -> tuple[str, dict[int, str]] | None:
         """The cohort id a held (job, round) formed as, and its ranks' hosts; None when the
@@ -241,3 +256,4 @@ class Coordinator:
         self.book.close()
         self.watchers.close()
         self.audits.close()
+        self.stalls.close()

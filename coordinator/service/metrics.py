@@ -120,6 +120,20 @@ class Metrics:
             "Audited steps some ranks sent no audit for within --audit-timeout.",
         )
         self.audited_cohorts = gauge("audited_cohorts", "Formed cohorts whose audits are held.")
+        self.stalls = count(
+            "stalls_total",
+            "Stalls found: formed cohorts no rank of which reached a new step within the stall "
+            "bound (--stall-after), by policy level (strict: the job is ended).",
+            "level",
+        )
+        self.stalled = gauge("stalled_cohorts", "Formed cohorts stalled now.")
+        self.step_marks = count(
+            "step_marks_total",
+            "Step marks received (cohort.step, cohort.audit, and beats while a step lasts).",
+        )
+        self.watched_cohorts = gauge(
+            "watched_cohorts", "Formed cohorts whose ranks mark steps (stall detection)."
+        )
 
     # Every name is prefixed cohortgate_; a counter's name ends in _total (the client
     # library's exposition adds it back).

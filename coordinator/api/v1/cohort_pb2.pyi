@@ -101,6 +101,13 @@ class RankAudit(_message.Message):
     TENSOR_NAMES_FIELD_NUMBER: _builtins.int
     TENSOR_DIGESTS_FIELD_NUMBER: _builtins.int
     TENSORS_TRUNCATED_FIELD_NUMBER: _builtins.int
+    STEP_ONLY_FIELD_NUMBER: _builtins.int
+    STEP_AGE_S_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    PAUSED_S_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    STALL_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     cohort_id: _builtins.str
     """the formed cohort's id (its Verdict.cohort_id)"""
     job_id: _builtins.str
@@ -120,6 +127,20 @@ class RankAudit(_message.Message):
     """
     tensors_truncated: _builtins.bool
     """more tensors than one message holds: the first ones only"""
+    step_only: _builtins.bool
+    """A step mark without a digest (cohort.step(n), or a beat while the step is unchanged):
+    the stall detection's input. digest and tensor digests stay empty.
+    """
+    step_age_s: _builtins.float
+    """seconds since this rank reached `step`, by its own clock"""
+    paused: _builtins.str
+    """`with cohort.pause(reason):` in effect: its reason"""
+    paused_s: _builtins.float
+    """for how long"""
+    done: _builtins.bool
+    """the rank closed its cohort: its training ended"""
+    stall_id: _builtins.int
+    """the stall whose snapshot request `snapshot` answers"""
     @_builtins.property
     def tensor_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Only when the coordinator asked (AuditAnswer.tensors_for): this rank's per-tensor
@@ -128,6 +149,8 @@ class RankAudit(_message.Message):
 
     @_builtins.property
     def tensor_digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def snapshot(self) -> Global___StackSnapshot: ...
     def __init__(
         self,
         *,
@@ -145,14 +168,57 @@ class RankAudit(_message.Message):
         tensor_names: _abc.Iterable[_builtins.str] | None = ...,
         tensor_digests: _abc.Iterable[_builtins.bytes] | None = ...,
         tensors_truncated: _builtins.bool = ...,
+        step_only: _builtins.bool = ...,
+        step_age_s: _builtins.float = ...,
+        paused: _builtins.str = ...,
+        paused_s: _builtins.float = ...,
+        done: _builtins.bool = ...,
+        stall_id: _builtins.int = ...,
+        snapshot: Global___StackSnapshot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "digest", b"digest", "digest_format", b"digest_format", "group", b"group", "host", b"host", "incarnation", b"incarnation", "job_id", b"job_id", "rank", b"rank", "round", b"round", "step", b"step", "tensor_digests", b"tensor_digests", "tensor_names", b"tensor_names", "tensors_truncated", b"tensors_truncated", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "digest", b"digest", "digest_format", b"digest_format", "done", b"done", "group", b"group", "host", b"host", "incarnation", b"incarnation", "job_id", b"job_id", "paused", b"paused", "paused_s", b"paused_s", "rank", b"rank", "round", b"round", "snapshot", b"snapshot", "stall_id", b"stall_id", "step", b"step", "step_age_s", b"step_age_s", "step_only", b"step_only", "tensor_digests", b"tensor_digests", "tensor_names", b"tensor_names", "tensors_truncated", b"tensors_truncated", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RankAudit: _TypeAlias = RankAudit  # noqa: Y015
+
+@_typing.final
+class StackSnapshot(_message.Message):
+    """Where a rank's main thread is, taken from its background thread when a stall asks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WHERE_FIELD_NUMBER: _builtins.int
+    CALL_FIELD_NUMBER: _builtins.int
+    VIA_FIELD_NUMBER: _builtins.int
+    FRAMES_FIELD_NUMBER: _builtins.int
+    where: _builtins.str
+    """its innermost user frame: "function (file:line)" """
+    call: _builtins.str
+    """the library call below it ("all_reduce"), "" if none"""
+    via: _builtins.str
+    """the outermost library frame it went through"""
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """innermost first: "file:line in function" """
+
+    def __init__(
+        self,
+        *,
+        where: _builtins.str = ...,
+        call: _builtins.str = ...,
+        via: _builtins.str = ...,
+        frames: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "frames", b"frames", "via", b"via", "where", b"where"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StackSnapshot: _TypeAlias = StackSnapshot  # noqa: Y015
 
 @_typing.final
 class AuditRequest(_message.Message):
@@ -191,6 +257,11 @@ class AuditAnswer(_message.Message):
     DIVERGED_STEP_FIELD_NUMBER: _builtins.int
     LEVEL_FIELD_NUMBER: _builtins.int
     COMPARED_UNTIL_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_WANTED_FIELD_NUMBER: _builtins.int
+    STALL_ID_FIELD_NUMBER: _builtins.int
+    STALL_HEADLINE_FIELD_NUMBER: _builtins.int
+    STALL_REPORT_FIELD_NUMBER: _builtins.int
+    STALL_STOP_FIELD_NUMBER: _builtins.int
     cohort_id: _builtins.str
     stop_step: _builtins.int
     """strict policy: every rank raises at this step (0: none)"""
@@ -206,6 +277,17 @@ class AuditAnswer(_message.Message):
     """One past the highest step compared (0: none yet). A closing rank whose last audited
     step is below it, with no per-tensor digests asked for, has heard the last word.
     """
+    snapshot_wanted: _builtins.int
+    """Stalls (the `stall` check): a stall's id whose snapshot this cohort's ranks should send
+    with their next beat (0: none asked).
+    """
+    stall_id: _builtins.int
+    """the stall reported below (0: no stall now)"""
+    stall_headline: _builtins.str
+    stall_report: _builtins.str
+    """identical for every rank"""
+    stall_stop: _builtins.bool
+    """strict: every rank ends with the report"""
     @_builtins.property
     def tensors_rank(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """(rank, step) pairs whose per-tensor digests the coordinator asks for: a rank named
@@ -226,10 +308,15 @@ class AuditAnswer(_message.Message):
         diverged_step: _builtins.int = ...,
         level: _builtins.str = ...,
         compared_until: _builtins.int = ...,
+        snapshot_wanted: _builtins.int = ...,
+        stall_id: _builtins.int = ...,
+        stall_headline: _builtins.str = ...,
+        stall_report: _builtins.str = ...,
+        stall_stop: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "compared_until", b"compared_until", "diverged_step", b"diverged_step", "headline", b"headline", "level", b"level", "report", b"report", "stop_step", b"stop_step", "tensors_rank", b"tensors_rank", "tensors_step", b"tensors_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort_id", b"cohort_id", "compared_until", b"compared_until", "diverged_step", b"diverged_step", "headline", b"headline", "level", b"level", "report", b"report", "snapshot_wanted", b"snapshot_wanted", "stall_headline", b"stall_headline", "stall_id", b"stall_id", "stall_report", b"stall_report", "stall_stop", b"stall_stop", "stop_step", b"stop_step", "tensors_rank", b"tensors_rank", "tensors_step", b"tensors_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ from cohortgate.coordinator.decision.checks.coverage import CoverageCheck
 from cohortgate.coordinator.decision.checks.layout import LayoutCheck
 from cohortgate.coordinator.decision.checks.model import ModelCheck
 from cohortgate.coordinator.decision.checks.runtime import RUNTIME_CHECKS
+from cohortgate.coordinator.decision.checks.stall import StallCheck
 from cohortgate.coordinator.decision.checks.weights import WeightsCheck
 from cohortgate.coordinator.decision.verdict import Finding, Level, warnings
 
@@ -32,7 +33,8 @@ CHECKS: tuple[Check, ...] = (
     *OTHER_AGREEMENT,
     *RUNTIME_CHECKS,
     WeightsCheck(),
-    AuditCheck(),  # last: it judges training, not formation
+    AuditCheck(),  # last: these judge training, not formation
+    StallCheck(),
 )
 DEFAULT_POLICY: dict[str, Level] = {c.name: c.default for c in CHECKS}
 

@@ -1,0 +1,192 @@
+"""Stall detection on the event loop: each Audit call's step marks update their cohort's
+progress (decision/stall.py) and are answered at once; a sweep once a second finds cohorts
+that stopped making progress, asks their ranks for snapshots (in the answers to their next
+beats), and reports the stall once its snapshots are in. Stalls are logged, counted and kept
+in the history (as audit findings of kind "stalled" and "resumed"), shown on the status page.
+
+Cheap per call: a dict update per rank; the report is built once per stall."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from cohortgate.coordinator.contract.errors import FailedPrecondition, LimitExceeded
+from cohortgate.coordinator.decision.audit import AuditFinding
+from cohortgate.coordinator.decision.formation import FormationOptions
+from cohortgate.coordinator.decision.stall import Beat, CohortProgress, StallAnswer, StallEvent
+from cohortgate.coordinator.service.observers import Observer
+
+log = structlog.get_logger("cohortgate")
+
+SWEEP_S = 1.0
+# A cohort none of whose ranks beat for this long is forgotten.
+IDLE_S = 600.0
+MAX_WATCHED = 10_000
+
+# (job, round) -> the cohort id it formed as and its ranks' hosts, while the store holds it
+Formed = Callable[[str, int], tuple[str, dict[int, str]] | None]
+
+
+class Stalls:
+    def __init__(
+        self,
+        options: FormationOptions,
+        observer: Observer,
+        clock: Callable[[], float],
+        formed: Formed | None = None,
+    ) -> None:
+        self.options, self.observer, self.clock = options, observer, clock
+        self.formed: Formed = formed or (lambda job_id, round_: None)
+        self.cohorts: dict[str, CohortProgress] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def beat(self, beats: list[Beat]) -> dict[str, StallAnswer]:
+        """Add the step marks (validated, one job); the answer for each cohort they name."""
+        now = self.clock()
+        touched: dict[str, CohortProgress] = {}
+        for b in beats:
+            c = touched.get(b.cohort_id) or self._cohort(b, now)
+            touched[b.cohort_id] = c
+            c.beat(b, now)
+        self.observer.metrics.step_marks.inc(len(beats))
+        for c in touched.values():
+            self._drain(c)
+        self._start_sweeping()
+        return {k: c.answer() for k, c in touched.items()}
+
+    def _cohort(self, b: Beat, now: float) -> CohortProgress:
+        c = self.cohorts.get(b.cohort_id)
+        if c is not None:
+            return c
+        if len(self.cohorts) >= MAX_WATCHED:
+            self._evict(now, IDLE_S / 10)
+            if len(self.cohorts) >= MAX_WATCHED:
+                raise LimitExceeded(f"{MAX_WATCHED} cohorts are watched at once; no more now")
+        held = self.formed(b.job_id, b.round)
+        if held is not None and held[0] != b.cohort_id:
+            raise FailedPrecondition(
+                f"job '{b.job_id[:64]}' round {b.round} formed as cohort {held[0]}; this step "
+                f"mark names cohort {b.cohort_id[:64]} (a rank of another launch?): not taken"
+            )
+        policies = self.options.policies
+        c = CohortProgress(
+            b.cohort_id,
+            b.job_id,
+            b.world_size,
+            policies.for_job(b.job_id)["stall"],
+            self.options.stall_after_for(b.job_id),
+            self.options.pause_limit_s,
+        )
+        if held is not None:
+            c.hosts.update(held[1])  # a rank that never beats is named with its host
+        self.cohorts[b.cohort_id] = c
+        self.observer.metrics.watched_cohorts.set(len(self.cohorts))
+        return c
+
+    def _drain(self, c: CohortProgress) -> None:
+        m = self.observer.metrics
+        for e in c.new:
+            if e.kind == "stalled":
+                m.stalls.labels(e.level).inc()
+                log.warning(
+                    "cohort stalled",
+                    job=e.job_id[:64],
+                    cohort=e.cohort_id,
+                    step=e.step,
+                    level=e.level,
+                    stalled_s=round(e.stalled_s, 1),
+                    headline=e.headline,
+                    report=e.report,
+                )
+            else:
+                log.warning(
+                    "cohort moved again",
+                    job=e.job_id[:64],
+                    cohort=e.cohort_id,
+                    step=e.step,
+                    stalled_s=round(e.stalled_s, 1),
+                )
+            if self.observer.history is not None:
+                self.observer.history.record_audit(_finding(e))
+        c.new.clear()
+        m.stalled.set(sum(1 for x in self.cohorts.values() if x.stall and x.stall.told))
+
+    # -- sweeping --------------------------------------------------------------------------
+    def _start_sweeping(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def _sweep_loop(self) -> None:
+        while self.cohorts:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self.sweep()
+            except Exception:  # a bug: logged whole; the next sweep goes on
+                log.exception("stall sweep failed")
+
+    def sweep(self) -> None:
+        now = self.clock()
+        for c in list(self.cohorts.values()):
+            c.sweep(now)
+            self._drain(c)
+        self._evict(now, IDLE_S)
+
+    def _evict(self, now: float, idle_s: float) -> None:
+        for cohort_id in [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]:
+            del self.cohorts[cohort_id]
+        self.observer.metrics.watched_cohorts.set(len(self.cohorts))
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    # -- reading ---------------------------------------------------------------------------
+    def status(self, shown: int = 100) -> list[dict[str, object]]:
+        """One line per watched cohort, for /status.json and the status page: stalled
+        first, then the most recently heard from."""
+        now = self.clock()
+        ordered = sorted(
+            self.cohorts.values(), key=lambda c: (not (c.stall and c.stall.told), -c.last_seen)
+        )
+        out: list[dict[str, object]] = []
+        for c in ordered[:shown]:
+            stall = c.stall if c.stall and c.stall.told else None
+            median = c.median_step_s()
+            out.append(
+                {
+                    "job_id": c.job_id,
+                    "cohort_id": c.cohort_id,
+                    "level": str(c.level),
+                    "ranks": c.world_size,
+                    "step": c.top_step,
+                    "median_step_s": None if median is None else round(median, 4),
+                    "stall_after_s": c.bound(),
+                    "since_progress_s": round(now - c.last_progress, 1),
+                    "stall": None
+                    if stall is None
+                    else {
+                        "id": stall.id,
+                        "step": stall.step,
+                        "stalled_s": round(now - stall.since, 1),
+                        "headline": stall.headline,
+                        "report": stall.report,
+                    },
+                }
+            )
+        return out
+
+
+def _finding(e: StallEvent) -> AuditFinding:
+    return AuditFinding(
+        job_id=e.job_id,
+        cohort_id=e.cohort_id,
+        step=e.step,
+        kind=e.kind,
+        level=e.level,
+        headline=e.headline,
+        report=e.report,
+        at=e.at,
+    )

@@ -1,0 +1,188 @@
+"""End to end: real torchrun jobs on gloo (examples/train.py: DDP, steps of about 0.2 s,
+cohort.step(step) every step) that hang mid-training, against a real coordinator process:
+the stall is named while it happens (`cohortgate explain`), or ends the job under strict with
+the report in torchrun's root cause; through `cohortgate run` (a relay on each node) too."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    TRAIN,
+    coordinator_process,
+    finish,
+    free_port,
+    kill_group,
+    launch,
+    launch_env,
+    two_node_args,
+)
+from tests.test_e2e_audits import audits_of, host_of
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+# The gloo timeout stays far past the stall bound: the stall is named by cohortgate, long
+# before any collective would time out.
+STALL = ("--stall-after", "10")
+HANG = ("--hang-rank", "2", "--hang-step", "5")
+CLI = [sys.executable, "-m", "cohortgate.coordinator.cli"]
+SLOW_STEPS = ("--steps", "400", "--step-sleep", "0.2", "--quiet")
+
+
+def job_args(job: str, *script_args: str) -> list[str]:
+    return [
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        str(TRAIN),
+        *SLOW_STEPS,
+        *script_args,
+    ]
+
+
+def explained(addr: str, job: str, tmp: Path, until: str, within: float) -> str:
+    """`cohortgate explain JOB` until its output holds `until` (the job runs meanwhile)."""
+    give_up = time.monotonic() + within
+    while True:
+        out = subprocess.run(
+            [*CLI, "explain", job, "--addr", addr],
+            capture_output=True,
+            text=True,
+            env=launch_env(tmp),
+            timeout=30,
+        ).stdout
+        if until in out:
+            return out
+        assert time.monotonic() < give_up, f"no {until!r} within {within} s:\n{out}"
+        time.sleep(1.0)
+
+
+def stalled_for(headline: str) -> int:
+    found = re.search(r"stalled at step \d+ for (\d+) s", headline)
+    assert found, headline
+    return int(found.group(1))
+
+
+def test_strict_ends_a_hung_job_with_the_report_in_torchruns_root_cause(tmp_path: Path) -> None:
+    flags = ("--join-deadline", "60", *STALL, "--policy", "stall=strict")
+    with coordinator_process(*flags, tmp=tmp_path) as (addr, log):
+        env = launch_env(tmp_path, COHORTGATE_ADDR=addr, COHORTGATE_JOB="hung-strict")
+        (out,) = finish([launch(job_args("hung-strict", *HANG), env, tmp_path)], timeout=200)
+        records = audits_of(addr, "hung-strict")
+    assert "Root Cause (first observed failure)" in out, out
+    root = out[out.index("Root Cause (first observed failure)") :]
+    assert "exitcode  : 6" in root, root
+    host = host_of(out)
+    headline = next(line for line in root.splitlines() if "traceback : stalled at" in line)
+    assert headline.endswith(
+        f": rank 2 on {host} in wait_for_batch ({TRAIN}:{wait_line()}); "
+        f"ranks 0-1,3 on {host} in backward ({TRAIN}:{backward_line()}, via Tensor.backward)"
+    ), headline
+    assert "trained" not in out  # no rank finished its steps
+    (record,) = records
+    assert (record.kind, record.step, record.level) == ("stalled", 5, "strict")
+    # named within the bound plus the snapshots' wait, not at a collective's timeout
+    assert stalled_for(record.headline) <= 10 + 5 + 5, record.headline
+    assert "cohort stalled" in log.read_text()
+
+
+def test_warn_names_the_stall_in_explain_while_the_job_still_hangs(tmp_path: Path) -> None:
+    with coordinator_process("--join-deadline", "60", *STALL, tmp=tmp_path) as (addr, _):
+        env = launch_env(tmp_path, COHORTGATE_ADDR=addr, COHORTGATE_JOB="hung-warn")
+        proc = launch(job_args("hung-warn", *HANG), env, tmp_path)
+        try:
+            out = explained(addr, "hung-warn", tmp_path, "the stall (still going on)", 90)
+            assert proc.poll() is None, "the job ended: warn leaves it alone"
+        finally:
+            kill_group(proc)
+    assert "rank 2 on" in out and f"in wait_for_batch ({TRAIN}:{wait_line()})" in out, out
+    assert f"in backward ({TRAIN}:{backward_line()}, via Tensor.backward)" in out, out
+    assert "last steps: ranks 0-3 at step 5" in out, out
+
+
+def test_through_relays_a_stopped_rank_is_named_as_not_answering_with_its_host(
+    tmp_path: Path,
+) -> None:
+    """Two nodes of two ranks through `cohortgate run` (a relay on each); rank 3 SIGSTOPs
+    itself at step 5: its beats stop, the others wait in the collective. The report names
+    rank 3 and its host as not answering."""
+    with coordinator_process("--join-deadline", "120", *STALL, tmp=tmp_path) as (addr, _):
+        rdzv = f"127.0.0.1:{free_port()}"
+        script = [*SLOW_STEPS, "--stop-rank", "3", "--stop-step", "5"]
+        args = ["--coordinator", addr, *two_node_args(rdzv, "hung-relay", TRAIN, *script)]
+        procs = [
+            launch(args, launch_env(tmp_path), tmp_path, via="cohortgate run") for _ in range(2)
+        ]
+        try:
+            out = explained(addr, "hung-relay", tmp_path, "the stall (still going on)", 120)
+        finally:
+            for proc in procs:
+                kill_group(proc)
+    stall = out[out.index("the stall (still going on)") :]
+    headline = stall.splitlines()[0]
+    assert re.search(r"; no answer from rank 3 on \S+$", headline), headline
+    assert re.search(r"ranks 0-2( on \S+)? in backward \(", headline), headline
+    assert "within 5 s (a stopped or dead process, or a lost host)" in stall
+
+
+def test_two_collectives_give_two_groups_each_named_by_its_call(tmp_path: Path) -> None:
+    with coordinator_process("--join-deadline", "60", *STALL, tmp=tmp_path) as (addr, _):
+        env = launch_env(tmp_path, COHORTGATE_ADDR=addr, COHORTGATE_JOB="hung-odd")
+        odd = ("--odd-call-rank", "1", "--odd-call-step", "5")
+        proc = launch(job_args("hung-odd", *odd), env, tmp_path)
+        try:
+            out = explained(addr, "hung-odd", tmp_path, "the stall (still going on)", 90)
+        finally:
+            kill_group(proc)
+    headline = out[out.index("the stall (still going on)") :].splitlines()[0]
+    assert re.search(
+        r"stalled at step 5 for \d+ s: rank 1 on \S+ in broadcast \(\S+train\.py:\d+\); "
+        r"ranks 0,2-3 on \S+ in all_reduce \(\S+train\.py:\d+\)$",
+        headline,
+    ), headline
+
+
+def test_a_pause_on_purpose_longer_than_the_bound_is_no_stall(tmp_path: Path) -> None:
+    """A 30-step job that saves a checkpoint for 5 s at step 10 (inside `with
+    cohort.pause("checkpoint"):`), under --stall-after 3: it finishes, and no stall is
+    recorded."""
+    with coordinator_process("--join-deadline", "60", "--stall-after", "3", tmp=tmp_path) as (
+        addr,
+        _,
+    ):
+        env = launch_env(tmp_path, COHORTGATE_ADDR=addr, COHORTGATE_JOB="paused")
+        args = job_args("paused", "--pause-step", "10", "--pause-s", "5")
+        args[args.index("--steps") + 1] = "30"
+        proc = launch(args, env, tmp_path)
+        (out,) = finish([proc], timeout=200)
+        records = audits_of(addr, "paused")
+    assert proc.returncode == 0, out
+    assert out.count("trained 30 steps") == 4, out
+    assert records == [] and "stalled" not in out, (records, out)
+
+
+def line_of(text: str) -> int:
+    """The line of examples/train.py that holds `text` (the report names file:line)."""
+    for number, line in enumerate(TRAIN.read_text().splitlines(), start=1):
+        if text in line:
+            return number
+    raise AssertionError(f"{text!r} not in {TRAIN}")
+
+
+def wait_line() -> int:
+    return line_of("time.sleep(3600)  # a data loader that never delivers")
+
+
+def backward_line() -> int:
+    return line_of("loss.backward()")

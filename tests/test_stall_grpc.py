@@ -1,0 +1,158 @@
+"""Stalls over real gRPC: a real coordinator, a cohort formed by real join streams, then step
+marks as the agent sends them (in Audit calls), the snapshots it asks for, and hostile marks."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from tests.helpers import InProcessCoordinator, metric_total
+from tests.test_audits_grpc import formed, list_audits, refused, send
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def coordinator() -> Iterator[InProcessCoordinator]:
+    c = InProcessCoordinator(join_deadline=20, stall_after="2")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def mark(v: pb.Verdict, rank: int, step: int, **kw: object) -> pb.RankAudit:
+    """Rank `rank`'s step mark, as the agent's background thread sends it."""
+    fields: dict[str, object] = {
+        "cohort_id": v.cohort_id,
+        "job_id": v.job_id,
+        "round": v.round,
+        "rank": rank,
+        "world_size": v.world_size,
+        "host": f"host{rank // 2}",
+        "incarnation": f"i{rank}",
+        "step": step,
+        "step_only": True,
+    }
+    return pb.RankAudit(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def snapshot(where: str, call: str = "") -> pb.StackSnapshot:
+    return pb.StackSnapshot(where=where, call=call, frames=[f"{where} frame"])
+
+
+def status_stalls(c: InProcessCoordinator) -> list[dict[str, object]]:
+    with urllib.request.urlopen(f"{c.metrics_url}/status.json", timeout=5) as answer:
+        return list(json.load(answer)["stalls"])
+
+
+def beat_until(
+    addr: str, v: pb.Verdict, steps: dict[int, int], wanted: str, within: float = 15
+) -> pb.AuditAnswer:
+    """Every rank beats (its step unchanged) every 0.2 s until an answer has `wanted` set."""
+    give_up = time.monotonic() + within
+    while True:
+        (answer,) = send(addr, *(mark(v, r, s) for r, s in steps.items())).answers
+        if getattr(answer, wanted):
+            return answer
+        assert time.monotonic() < give_up, f"no {wanted} within {within} s"
+        time.sleep(0.2)
+
+
+def test_a_stall_asks_for_snapshots_and_reports_the_odd_rank_first(
+    coordinator: InProcessCoordinator,
+) -> None:
+    addr = coordinator.addr
+    v = formed(addr, "stall-grpc")
+    for step in range(3):
+        (answer,) = send(addr, *(mark(v, r, step) for r in range(4))).answers
+        assert (answer.snapshot_wanted, answer.stall_id) == (0, 0)
+    # no new step: after --stall-after 2 the ranks are asked where they are
+    asked = beat_until(addr, v, dict.fromkeys(range(4), 2), "snapshot_wanted")
+    places = {r: snapshot("train (train.py:88)", "all_reduce") for r in (0, 1, 3)}
+    places[2] = snapshot("wait_for_batch (data.py:31)")
+    for r, snap in places.items():
+        send(addr, mark(v, r, 2, stall_id=asked.snapshot_wanted, snapshot=snap))
+    told = beat_until(addr, v, dict.fromkeys(range(4), 2), "stall_id")
+    assert told.stall_headline.startswith("stalled at step 2 for ")
+    assert told.stall_headline.endswith(
+        ": rank 2 on host1 in wait_for_batch (data.py:31); ranks 0-1,3 in all_reduce (train.py:88)"
+    ), told.stall_headline
+    assert "wait_for_batch (data.py:31) frame" in told.stall_report
+    assert not told.stall_stop  # warn, the default
+    (record,) = list_audits(addr, "stall-grpc")
+    assert (record.kind, record.step, record.level) == ("stalled", 2, "warn")
+    assert record.headline == told.stall_headline
+    (line,) = [s for s in status_stalls(coordinator) if s["job_id"] == "stall-grpc"]
+    stall = line["stall"]
+    assert isinstance(stall, dict) and stall["headline"] == told.stall_headline
+    assert metric_total(coordinator.metrics_url, 'cohortgate_stalls_total{level="warn"}') == 1
+    assert metric_total(coordinator.metrics_url, "cohortgate_stalled_cohorts") == 1
+    # a step: the stall is over, recorded with its duration
+    (answer,) = send(addr, mark(v, 0, 3)).answers
+    assert answer.stall_id == 0
+    kinds = [r.kind for r in list_audits(addr, "stall-grpc")]
+    assert kinds == ["stalled", "resumed"]
+    assert metric_total(coordinator.metrics_url, "cohortgate_stalled_cohorts") == 0
+
+
+def test_an_audit_marks_its_step_too(coordinator: InProcessCoordinator) -> None:
+    from tests.helpers import rank_audit
+
+    addr = coordinator.addr
+    v = formed(addr, "stall-audit")
+    send(addr, *(rank_audit(v, r, 4) for r in range(4)))
+    (line,) = [s for s in status_stalls(coordinator) if s["job_id"] == "stall-audit"]
+    assert line["step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "words"),
+    [
+        (
+            {"digest": b"\0" * 32, "digest_format": 2},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "carries no digest",
+        ),
+        ({"step_age_s": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "step_age_s nan"),
+        ({"paused_s": -1.0}, grpc.StatusCode.INVALID_ARGUMENT, "paused_s -1.0"),
+        (
+            {"snapshot": pb.StackSnapshot(where="x", frames=["f"] * 33)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "33 frames; the limit is 32",
+        ),
+        ({"snapshot": pb.StackSnapshot(where="")}, grpc.StatusCode.INVALID_ARGUMENT, "where"),
+        (
+            {"snapshot": pb.StackSnapshot(where="x", call="\x00")},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "non-printable",
+        ),
+        ({"paused": "p" * 600}, grpc.StatusCode.INVALID_ARGUMENT, "paused is 600 characters"),
+    ],
+)
+def test_hostile_step_marks_get_a_clear_error_and_touch_nothing(
+    coordinator: InProcessCoordinator, fields: dict[str, object], code: grpc.StatusCode, words: str
+) -> None:
+    addr = coordinator.addr
+    v = formed(addr, "stall-bad")
+    got_code, details = refused(addr, mark(v, 0, 1, **fields))
+    assert got_code is code and words in details, details
+    assert [s for s in status_stalls(coordinator) if s["job_id"] == "stall-bad"] == []
+    (answer,) = send(addr, mark(v, 0, 1)).answers  # the server still serves
+    assert answer.cohort_id == v.cohort_id
+
+
+def test_a_mark_of_another_launch_of_the_job_is_refused(coordinator: InProcessCoordinator) -> None:
+    addr = coordinator.addr
+    v = formed(addr, "stall-other")
+    other = pb.Verdict()
+    other.CopyFrom(v)
+    other.cohort_id = f"{v.job_id}/{v.round}/0000ffff"
+    code, details = refused(addr, mark(other, 0, 1))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "another launch" in details
