@@ -337,3 +337,49 @@ def test_shape_conflicts_past_a_limit_are_counted_not_walked() -> None:
     ), texts
     assert texts[CONFLICTS_NAMED] == "ranks disagree on the logical shapes of 30 more tensors"
     assert len(texts) == CONFLICTS_NAMED + 1, texts[CONFLICTS_NAMED + 1 :]
+    # the first by name (t0, t1, t10, ...), not the first declared (t0, t1, t2, ...)
+    first = sorted(f"t{i}" for i in range(many))[:CONFLICTS_NAMED]
+    assert named(texts) == set(first), texts
+
+
+def test_conflicts_and_broken_tensors_are_named_in_name_order_whatever_order_ranks_declare() -> (
+    None
+):
+    """Declared 'z' first then 'a' (ids follow declaration): the report goes by name. A
+    scalar on one rank and a vector on another is a conflict too (the first rank's tensor
+    has 0 dimensions)."""
+    scalar_first = {
+        0: Layout({"tp": 2}, {"tp": 0}, pieces=(ShardPiece("s", (), (), ()),)),
+        1: Layout({"tp": 2}, {"tp": 1}, pieces=(ShardPiece("s", (4,), (0,), (4,)),)),
+    }
+    assert findings(scalar_first) == ["'s' logical shape: [] on rank 0, [4] on rank 1"]
+
+    conflicts = {
+        0: Layout(
+            {"tp": 2},
+            {"tp": 0},
+            pieces=(ShardPiece("z", (4,), (0,), (2,)), ShardPiece("a", (4,), (0,), (2,))),
+        ),
+        1: Layout(
+            {"tp": 2},
+            {"tp": 1},
+            pieces=(ShardPiece("z", (6,), (2,), (2,)), ShardPiece("a", (6,), (2,), (2,))),
+        ),
+    }
+    texts = findings(conflicts)
+    assert [t.split("'")[1] for t in texts] == ["a", "z"], texts
+    gaps = {  # both tiled with a gap: 'z' then 'a' as declared, named 'a' then 'z'
+        0: Layout(
+            {"tp": 2},
+            {"tp": 0},
+            pieces=(ShardPiece("z", (4,), (0,), (1,)), ShardPiece("a", (4,), (0,), (1,))),
+        ),
+        1: Layout(
+            {"tp": 2},
+            {"tp": 1},
+            pieces=(ShardPiece("z", (4,), (2,), (2,)), ShardPiece("a", (4,), (2,), (2,))),
+        ),
+    }
+    table = CohortPieces(gaps)
+    _, failing = table.examine(0)
+    assert [table.names[t] for t in failing] == ["a", "z"]
