@@ -264,10 +264,11 @@ def test_real_prometheus_scrapes_and_answers_promql(
 
 def test_promtool_accepts_the_alert_rules_and_config() -> None:
     promtool = program("promtool")
+    rules = (REPO / "deploy/prometheus/alerts.yml").read_text().count("- alert: ")
     for what, file, said in (
-        ("check rules", "alerts.yml", "SUCCESS: 11 rules found"),
+        ("check rules", "alerts.yml", f"SUCCESS: {rules} rules found"),
         ("check config", "prometheus.yml", "SUCCESS"),
-        ("test rules", "alerts_test.yml", "SUCCESS"),  # the divergence alert fires, then clears
+        ("test rules", "alerts_test.yml", "SUCCESS"),  # the stall and divergence alerts fire, clear
     ):
         checked = subprocess.run(
             [promtool, *what.split(), str(REPO / "deploy/prometheus" / file)],

@@ -233,7 +233,8 @@ def test_a_world_readable_tokens_file_starts_with_a_warning_naming_it(tmp_path: 
 
 # -- one source per setting: flags and variables generated from the settings models -----
 # The flags as they were written by hand before they were generated (issue 24): the same
-# set, each also a variable (and those added since: --stall-after, --pause-limit).
+# set, each also a variable (and those added since: --stall-after, --pause-limit,
+# --straggler-ratio).
 SERVE_FLAGS = [
     "advertise",
     "allow-remote",
@@ -273,6 +274,7 @@ SERVE_FLAGS = [
     "progress-interval",
     "rank-grace",
     "stall-after",
+    "straggler-ratio",
     "tls-cert",
     "tls-client-ca",
     "tls-key",

@@ -258,6 +258,22 @@ def test_many_places_are_counted_in_the_headline_and_scattered_ranks_capped() ->
     assert headline.count(" in f") == 4 and headline.endswith("; 2 more places")
 
 
+def test_a_rank_persistently_slower_than_its_cohorts_median_is_a_straggler() -> None:
+    c = progress(world=4)
+    for second in range(20):  # ranks 0-2 mark 5 steps a second, rank 3 two
+        for r in range(3):
+            c.beat(beat(r, 5 * second), float(second))
+        c.beat(beat(3, 2 * second, host="node-9"), float(second))
+    (slow,) = c.stragglers(1.5)
+    assert slow.text() == "rank 3 on node-9: 0.5 s a step, 2.5x its cohort's median 0.2 s"
+    assert c.stragglers(3.0) == [] and c.stragglers(0) == []  # a higher bar, or off
+    few = progress(world=2)
+    for second in range(20):
+        few.beat(beat(0, 5 * second, world=2), float(second))
+        few.beat(beat(1, second, world=2), float(second))
+    assert few.stragglers(1.5) == []  # two ranks: no median to stand out from
+
+
 @pytest.mark.parametrize(
     ("text", "parsed"),
     [

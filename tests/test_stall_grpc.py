@@ -3,6 +3,7 @@ marks as the agent sends them (in Audit calls), the snapshots it asks for, and h
 
 from __future__ import annotations
 
+import html
 import json
 import time
 import urllib.request
@@ -92,6 +93,8 @@ def test_a_stall_asks_for_snapshots_and_reports_the_odd_rank_first(
     (line,) = [s for s in status_stalls(coordinator) if s["job_id"] == "stall-grpc"]
     stall = line["stall"]
     assert isinstance(stall, dict) and stall["headline"] == told.stall_headline
+    with urllib.request.urlopen(f"{coordinator.metrics_url}/status", timeout=5) as page:
+        assert html.escape(told.stall_headline) in page.read().decode()
     assert metric_total(coordinator.metrics_url, 'cohortgate_stalls_total{level="warn"}') == 1
     assert metric_total(coordinator.metrics_url, "cohortgate_stalled_cohorts") == 1
     # a step: the stall is over, recorded with its duration

@@ -40,6 +40,8 @@ class FormationOptions:
     stall_after_s: float | None = None
     job_stall_after: tuple[tuple[str, float | None], ...] = ()
     pause_limit_s: float = 1800.0
+    # A rank whose steps take this many times its cohort's median is a straggler (0: off).
+    straggler_ratio: float = 1.5
 
     def stall_after_for(self, job_id: str) -> float | None:
         for job, seconds in self.job_stall_after:

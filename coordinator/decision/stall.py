@@ -31,6 +31,11 @@ SNAPSHOT_WAIT_S = 5.0
 SILENT_S = 6.0
 # Step intervals kept per cohort for the median.
 INTERVALS = 64
+# Stragglers: a rank's step time is taken over its last STRAGGLER_WINDOW marks (at least
+# STRAGGLER_MIN_STEPS steps apart), against the median of its cohort's ranks.
+STRAGGLER_WINDOW = 16
+STRAGGLER_MIN_STEPS = 8
+STRAGGLERS_SHOWN = 8
 # Frames kept per snapshot (innermost first), and shown per group in the report.
 MAX_FRAMES = 32
 SHOWN_FRAMES = 12
@@ -116,6 +121,29 @@ class _Rank:
     paused: str = ""
     paused_since: float = 0.0
     done: bool = False
+    marks: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=STRAGGLER_WINDOW))
+
+    def step_s(self) -> float | None:
+        """Seconds per step over the window of its marks (None: too few steps yet)."""
+        if len(self.marks) < 2:
+            return None
+        (s0, t0), (s1, t1) = self.marks[0], self.marks[-1]
+        return (t1 - t0) / (s1 - s0) if s1 - s0 >= STRAGGLER_MIN_STEPS else None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    host: str
+    step_s: float
+    median_s: float
+
+    def text(self) -> str:
+        ratio = self.step_s / self.median_s if self.median_s > 0 else float("inf")
+        return (
+            f"rank {self.rank} on {self.host or '?'}: {self.step_s:.3g} s a step, "
+            f"{ratio:.1f}x its cohort's median {self.median_s:.3g} s"
+        )
 
 
 @dataclass
@@ -173,9 +201,11 @@ class CohortProgress:
         r = self.ranks.get(b.rank)
         if r is None:
             r = self.ranks[b.rank] = _Rank(b.host, b.step, reached, now)
+            r.marks.append((b.step, reached))
             self._progress(reached)
         elif b.step > r.step:
             r.step, r.reached_at = b.step, reached
+            r.marks.append((b.step, reached))
             self._progress(reached)
         r.seen_at, r.host, r.done = now, b.host, r.done or b.done
         if b.paused:
@@ -216,6 +246,21 @@ class CohortProgress:
 
     def median_step_s(self) -> float | None:
         return statistics.median(self.intervals) if self.intervals else None
+
+    def stragglers(self, ratio: float) -> list[Straggler]:
+        """Ranks whose steps take `ratio` times their cohort's median or longer (over their
+        last marks), slowest first; none while fewer than 3 ranks have a step time, or when
+        `ratio` is 0 (off)."""
+        timed = {k: t for k, r in self.ranks.items() if (t := r.step_s()) is not None}
+        if ratio <= 0 or len(timed) < 3:
+            return []
+        median = statistics.median(timed.values())
+        slow = [
+            Straggler(k, self.ranks[k].host, t, median)
+            for k, t in timed.items()
+            if t > ratio * median and t > 0
+        ]
+        return sorted(slow, key=lambda s: (-s.step_s, s.rank))
 
     def bound(self) -> float | None:
         return stall_bound(self.stall_after_s, self.median_step_s())

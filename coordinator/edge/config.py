@@ -172,6 +172,13 @@ class ServeConfig(BaseModel):
         description="seconds of an on-purpose pause (`with cohort.pause(reason):`, a "
         "checkpoint save) the stall detection skips",
     )
+    straggler_ratio: float = Field(
+        1.5,
+        ge=0,
+        description="a rank whose steps (cohort.step) take this many times its job's median "
+        "step time, over its last 16 marks, is named a straggler on the status page and "
+        "counted in cohortgate_stragglers (0: off)",
+    )
     max_message_bytes: int = Field(
         4 * 1024 * 1024,
         ge=512 * 1024,  # an upload's chunks (codec.wire.CHUNK_BYTES) must fit
@@ -341,6 +348,7 @@ class ServeConfig(BaseModel):
             stall_after_s=self.stall_bounds[0],
             job_stall_after=self.stall_bounds[1],
             pause_limit_s=self.pause_limit,
+            straggler_ratio=self.straggler_ratio,
         )
 
     @property

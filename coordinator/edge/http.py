@@ -116,6 +116,7 @@ def render_page(data: dict[str, Any]) -> str:
         )
     verdicts = "".join(verdict_rows) or "<tr><td colspan=5>no verdict yet</td></tr>"
     audits = _audit_rows(data.get("audits", []))
+    stalls = _stall_rows(data.get("stalls", []))
     degraded = "".join(
         f"<p class=missing>degraded: {esc(what)}: {esc(why)}</p>"
         for what, why in data.get("degraded", {}).items()
@@ -145,6 +146,9 @@ tr.formed td{{background:#f0fff4}} pre{{white-space:pre-wrap;font-size:12px}}
 <h2>Audits during training</h2>
 <table><tr><th>job</th><th>ranks</th><th>policy</th><th>last step</th><th>compared to</th>
 <th>state</th></tr>{audits}</table>
+<h2>Progress during training</h2>
+<table><tr><th>job</th><th>ranks</th><th>policy</th><th>step</th><th>median step</th>
+<th>stall after</th><th>state</th></tr>{stalls}</table>
 </body></html>"""
 
 
@@ -165,6 +169,35 @@ def _audit_rows(audits: list[dict[str, Any]]) -> str:
             f"<td>{esc(state)}</td></tr>"
         )
     return "".join(rows) or "<tr><td colspan=6>no job audits (cohort.audit)</td></tr>"
+
+
+def _stall_rows(lines: list[dict[str, Any]]) -> str:
+    esc = html.escape
+    rows = []
+    for c in lines:
+        stall = c["stall"]
+        if stall:
+            cls = "refused"
+            state = (
+                f"{esc(stall['headline'])}<details><summary>report</summary>"
+                f"<pre>{esc(stall['report'])}</pre></details>"
+            )
+        else:
+            cls, state = "formed", f"last new step {c['since_progress_s']:.0f}s ago"
+        if c.get("stragglers"):
+            state += "<br>stragglers: " + "; ".join(esc(s) for s in c["stragglers"])
+        median = "" if c["median_step_s"] is None else f"{c['median_step_s']:.3g}s"
+        bound = (
+            "auto (no step time yet)"
+            if c["stall_after_s"] is None
+            else (f"{c['stall_after_s']:.0f}s")
+        )
+        rows.append(
+            f"<tr class={cls}><td>{esc(c['job_id'])}</td><td>{c['ranks']}</td>"
+            f"<td>{esc(c['level'])}</td><td>{c['step']}</td><td>{median}</td><td>{bound}</td>"
+            f"<td>{state}</td></tr>"
+        )
+    return "".join(rows) or "<tr><td colspan=7>no job marks steps (cohort.step)</td></tr>"
 
 
 class MetricsServer:

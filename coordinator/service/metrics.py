@@ -131,6 +131,11 @@ class Metrics:
             "step_marks_total",
             "Step marks received (cohort.step, cohort.audit, and beats while a step lasts).",
         )
+        self.stragglers = gauge(
+            "stragglers",
+            "Ranks whose steps take --straggler-ratio times their job's median or longer, "
+            "across jobs (which ones: the status page).",
+        )
         self.watched_cohorts = gauge(
             "watched_cohorts", "Formed cohorts whose ranks mark steps (stall detection)."
         )

@@ -16,7 +16,13 @@ import structlog
 from cohortgate.coordinator.contract.errors import FailedPrecondition, LimitExceeded
 from cohortgate.coordinator.decision.audit import AuditFinding
 from cohortgate.coordinator.decision.formation import FormationOptions
-from cohortgate.coordinator.decision.stall import Beat, CohortProgress, StallAnswer, StallEvent
+from cohortgate.coordinator.decision.stall import (
+    STRAGGLERS_SHOWN,
+    Beat,
+    CohortProgress,
+    StallAnswer,
+    StallEvent,
+)
 from cohortgate.coordinator.service.observers import Observer
 
 log = structlog.get_logger("cohortgate")
@@ -129,9 +135,12 @@ class Stalls:
 
     def sweep(self) -> None:
         now = self.clock()
+        slow = 0
         for c in list(self.cohorts.values()):
             c.sweep(now)
             self._drain(c)
+            slow += len(c.stragglers(self.options.straggler_ratio))
+        self.observer.metrics.stragglers.set(slow)
         self._evict(now, IDLE_S)
 
     def _evict(self, now: float, idle_s: float) -> None:
@@ -165,6 +174,10 @@ class Stalls:
                     "median_step_s": None if median is None else round(median, 4),
                     "stall_after_s": c.bound(),
                     "since_progress_s": round(now - c.last_progress, 1),
+                    "stragglers": [
+                        s.text()
+                        for s in c.stragglers(self.options.straggler_ratio)[:STRAGGLERS_SHOWN]
+                    ],
                     "stall": None
                     if stall is None
                     else {
