@@ -118,12 +118,8 @@ def test_through_relays_a_stopped_rank_is_named_as_not_answering_with_its_host(
     itself at step 5: its beats stop, the others wait in the collective. The report names
     rank 3 and its host as not answering."""
     with coordinator_process("--join-deadline", "120", *STALL, tmp=tmp_path) as (addr, _):
-        rdzv = f"127.0.0.1:{free_port()}"
-        script = [*SLOW_STEPS, "--stop-rank", "3", "--stop-step", "5"]
-        args = ["--coordinator", addr, *two_node_args(rdzv, "hung-relay", TRAIN, *script)]
-        procs = [
-            launch(args, launch_env(tmp_path), tmp_path, via="cohortgate run") for _ in range(2)
-        ]
+        script = ("--stop-rank", "3", "--stop-step", "5")
+        procs = two_relayed_nodes(addr, "hung-relay", tmp_path, *SLOW_STEPS, *script)
         try:
             out = explained(addr, "hung-relay", tmp_path, "the stall (still going on)", 120)
         finally:
@@ -134,6 +130,31 @@ def test_through_relays_a_stopped_rank_is_named_as_not_answering_with_its_host(
     assert re.search(r"; no answer from rank 3 on \S+$", headline), headline
     assert re.search(r"ranks 0-2( on \S+)? in backward \(", headline), headline
     assert "within 5 s (a stopped or dead process, or a lost host)" in stall
+
+
+def test_through_relays_strict_ends_a_hung_job_on_both_nodes(tmp_path: Path) -> None:
+    flags = ("--join-deadline", "120", *STALL, "--policy", "stall=strict")
+    with coordinator_process(*flags, tmp=tmp_path) as (addr, _):
+        procs = two_relayed_nodes(addr, "hung-relay-strict", tmp_path, *SLOW_STEPS, *HANG)
+        outs = finish(procs, timeout=200)
+        records = audits_of(addr, "hung-relay-strict")
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode != 0, out
+        assert "through this node's relay 127.0.0.1:" in out, out
+        root = out[out.index("Root Cause (first observed failure)") :]
+        assert "exitcode  : 6" in root, root
+        assert re.search(r"rank 2 on \S+ in wait_for_batch \(", root), root
+    (record,) = records
+    assert (record.kind, record.step, record.level) == ("stalled", 5, "strict")
+
+
+def two_relayed_nodes(
+    addr: str, job: str, tmp: Path, *script_args: str
+) -> list[subprocess.Popen[str]]:
+    """Two `cohortgate run` launches of two ranks each (a relay on each node) of `job`."""
+    rdzv = f"127.0.0.1:{free_port()}"
+    args = ["--coordinator", addr, *two_node_args(rdzv, job, TRAIN, *script_args)]
+    return [launch(args, launch_env(tmp), tmp, via="cohortgate run") for _ in range(2)]
 
 
 def test_two_collectives_give_two_groups_each_named_by_its_call(tmp_path: Path) -> None:
