@@ -45,8 +45,8 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def is_library(filename: str, libraries: Sequence[str]) -> bool:
-    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
-        return not filename.startswith("<stdin")
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>; <string> is `python -c`'s
+        return filename.startswith("<frozen")
     return os.path.abspath(filename).startswith(tuple(libraries))
 
 

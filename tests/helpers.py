@@ -99,6 +99,15 @@ class InProcessCoordinator:
         run_async(self.running.stop(0.5), timeout=30)
 
 
+def wait_until(what: str, condition: Callable[[], object], within: float) -> float:
+    """Seconds until `condition()` held; fails naming `what` after `within`."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < within, f"{what}: not within {within:g}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
 def wait_joined(addr: str, job: str, ranks: int, within: float = 20) -> None:
     """Until the coordinator at `addr` holds `ranks` ranks of `job`'s latest round (its
     status API). A test that needs one rank in before the next waits for it: a thread's

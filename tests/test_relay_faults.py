@@ -30,6 +30,7 @@ from tests.helpers import (
     manifest_of,
     run_rank,
     session,
+    wait_until,
 )
 from tests.netfault import FaultProxy
 
@@ -42,15 +43,6 @@ def holds(c: InProcessCoordinator, job_id: str, rank: int) -> bool:
         return cohort is not None and cohort.verdict is None and rank in cohort.state.members
 
     return bool(c.call(look))
-
-
-def wait_until(what: str, condition: object, within: float) -> float:
-    """Seconds until `condition()` held; fails naming `what` after `within`."""
-    start = time.monotonic()
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() - start < within, f"{what}: not within {within:g}s"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 @contextlib.contextmanager

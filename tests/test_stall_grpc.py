@@ -159,3 +159,20 @@ def test_a_mark_of_another_launch_of_the_job_is_refused(coordinator: InProcessCo
     other.cohort_id = f"{v.job_id}/{v.round}/0000ffff"
     code, details = refused(addr, mark(other, 0, 1))
     assert code is grpc.StatusCode.FAILED_PRECONDITION and "another launch" in details
+
+
+def test_a_step_marks_answer_carries_what_an_audits_answer_says(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """A rank's marks and audits share one answer: a mark answered while per-tensor digests
+    are asked for asks for them too (an empty answer made a closing rank think the
+    comparison was over, and a strict divergence found as the job ended was never raised)."""
+    from tests.helpers import rank_audit
+
+    addr = coordinator.addr
+    v = formed(addr, "stall-shared", world=2)
+    send(addr, rank_audit(v, 0, 0))
+    (audited,) = send(addr, rank_audit(v, 1, 0, odd=True)).answers
+    assert list(audited.tensors_rank) == [0, 1]
+    (marked,) = send(addr, mark(v, 0, 1)).answers
+    assert (list(marked.tensors_rank), marked.compared_until, marked.level) == ([0, 1], 1, "warn")

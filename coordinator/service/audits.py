@@ -66,6 +66,12 @@ class Audits:
         self._start_sweeping()
         return [c.answer() for c in touched.values()]
 
+    def answer_for(self, cohort_id: str) -> Answer | None:
+        """What the cohort's ranks are told now, for a call that carried no audit of it (a
+        step mark): the same answer an audit gets, so no call clears what another said."""
+        c = self.cohorts.get(cohort_id)
+        return None if c is None else c.answer()
+
     def _cohort(self, a: RankAudit, now: float) -> CohortAudits:
         c = self.cohorts.get(a.cohort_id)
         if c is not None:

@@ -173,7 +173,7 @@ class Coordinator:
         if beats:
             level = str(self.options.policies.for_job(beats[0].job_id)["audit"])
             for cohort_id, stall in self.stalls.beat(list(beats)).items():
-                known = answers.get(cohort_id)
+                known = answers.get(cohort_id) or self.audits.answer_for(cohort_id)
                 answers[cohort_id] = (
                     Answer(cohort_id, level, stall=stall)
                     if known is None

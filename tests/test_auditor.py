@@ -1,0 +1,205 @@
+"""The agent's sender (agent/audit.py's Auditor) against a real coordinator, without torchrun:
+the audits it sends and the answers it heeds, the step marks it sends, the snapshot it
+answers a stall with, and the end a strict stall makes (in a process of its own: it ends the
+process). The torchrun paths are test_e2e_audits.py and test_e2e_stalls.py; these run in
+the fast tier and under `make mutation`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cohortgate.agent.audit import Auditor, ReplicasDiverged
+from cohortgate.agent.torchrun import RankIdentity
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from tests.helpers import REPO, InProcessCoordinator, wait_until
+from tests.test_audits_grpc import formed, list_audits
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def identity(addr: str, v: pb.Verdict, rank: int, error_file: str | None = None) -> RankIdentity:
+    return RankIdentity(
+        job_id=v.job_id,
+        rank=rank,
+        world_size=v.world_size,
+        local_rank=rank,
+        host="here",
+        pid=0,
+        incarnation=f"i{rank}",
+        restart_count=0,
+        addr=addr,
+        error_file=error_file,
+        endpoint_host="127.0.0.1",
+    )
+
+
+def auditors(addr: str, v: pb.Verdict) -> list[Auditor]:
+    return [Auditor(identity(addr, v, r), v.cohort_id, v.round, "") for r in range(v.world_size)]
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+@pytest.fixture
+def coordinator(request: pytest.FixtureRequest) -> Iterator[InProcessCoordinator]:
+    flags: dict[str, object] = getattr(request, "param", {})
+    c = InProcessCoordinator(join_deadline=20, audit_timeout=5.0, stall_after="2", **flags)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_replicas_that_agree_close_quietly_and_every_step_is_compared(
+    coordinator: InProcessCoordinator,
+) -> None:
+    v = formed(coordinator.addr, "agent-clean", world=2)
+    ranks = auditors(coordinator.addr, v)
+    m = model()
+    for step in range(3):
+        for a in ranks:
+            a.audit(m, step)
+    for a in ranks:
+        a.close(10)
+        assert a.compared_until == 3 and not a.headline
+    assert list_audits(coordinator.addr, "agent-clean") == []
+
+
+@pytest.mark.parametrize("coordinator", [{"policy": "audit=strict"}], indirect=True)
+def test_a_divergence_found_as_the_job_ends_is_raised_at_close_under_strict(
+    coordinator: InProcessCoordinator,
+) -> None:
+    v = formed(coordinator.addr, "agent-strict", world=2)
+    a0, a1 = auditors(coordinator.addr, v)
+    a0.audit(model(0), 0)
+    a1.audit(model(1), 0)  # other weights: rank 1 differs
+    with pytest.raises(ReplicasDiverged) as raised:
+        a1.close(10)
+    assert raised.value.step == 0
+    assert raised.value.headline == (
+        "replicas diverged at step 0: no majority: rank 0 on here and rank 1 on here hold "
+        "different weights in 0.weight"
+    )
+    with pytest.raises(ReplicasDiverged):
+        a0.close(10)
+    (record,) = list_audits(coordinator.addr, "agent-strict")
+    assert (record.kind, record.step, record.level) == ("diverged", 0, "strict")
+
+
+def test_step_marks_name_a_stall_and_each_rank_hears_it_once(
+    coordinator: InProcessCoordinator, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two ranks mark steps 0-3, then none: after --stall-after 2 each is asked where its
+    main thread is (this test's, waiting below), and the stall is told to each rank once."""
+    v = formed(coordinator.addr, "agent-stall", world=2)
+    ranks = auditors(coordinator.addr, v)
+    for step in range(4):
+        for a in ranks:
+            a.mark(step)
+    wait_until("the stall told", lambda: all(a._stall_told for a in ranks), 30)
+    (record,) = list_audits(coordinator.addr, "agent-stall")
+    assert (record.kind, record.step, record.level) == ("stalled", 3, "warn")
+    assert re.search(r"stalled at step 3 for \d+ s: ranks 0-1 on here in \S+ \(", record.headline)
+    assert "in wait_until (" in record.headline  # the main thread's innermost user frame
+    told = capsys.readouterr().err
+    for rank in (0, 1):
+        assert told.count(f"[cohortgate] rank {rank} on here: {record.headline}") == 1, told
+    assert told.count("last steps: ranks 0-1 at step 3") == 1  # the report: local rank 0 only
+    for a in ranks:
+        a.mark(4)  # moving again: the stall is over
+    wait_until(
+        "the stall closed",
+        lambda: (
+            [r.kind for r in list_audits(coordinator.addr, "agent-stall")] == ["stalled", "resumed"]
+        ),
+        10,
+    )
+    assert all(a.stalled is None for a in ranks)  # warn: nothing raised, nothing ended
+
+
+def test_a_pause_on_purpose_is_told_at_once_and_is_no_stall(
+    coordinator: InProcessCoordinator,
+) -> None:
+    v = formed(coordinator.addr, "agent-pause", world=2)
+    ranks = auditors(coordinator.addr, v)
+    for step in range(3):
+        for a in ranks:
+            a.mark(step)
+    with ranks[0].pause("checkpoint"):
+        time.sleep(4.5)  # past --stall-after 2
+    assert list_audits(coordinator.addr, "agent-pause") == []
+
+
+STRICT_SCRIPT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from cohortgate.agent.audit import Auditor, CohortStalled
+from tests.test_auditor import identity
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+v = pb.Verdict.FromString(bytes.fromhex({verdict!r}))
+a = Auditor(identity({addr!r}, v, {rank}, {error_file!r}), v.cohort_id, v.round, "")
+for step in range(3):
+    a.mark(step)
+
+def stuck():
+    time.sleep(60)
+
+def marking():
+    while True:
+        a.mark(2)
+        time.sleep(0.05)
+
+try:
+    {body}()
+except CohortStalled as exc:
+    print("raised:", exc.headline, flush=True)
+    sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("coordinator", [{"policy": "stall=strict"}], indirect=True)
+def test_strict_ends_a_stuck_process_and_raises_in_one_that_reaches_its_next_mark(
+    coordinator: InProcessCoordinator, tmp_path: Path
+) -> None:
+    """Rank 0's main thread is stuck in its own code: the background thread writes the
+    report to the error file and ends the process (exit 6). Rank 1 keeps calling
+    cohort.step(): it raises CohortStalled there (its script exits 7)."""
+    v = formed(coordinator.addr, "agent-strict-stall", world=2)
+    procs = []
+    for rank, body in ((0, "stuck"), (1, "marking")):
+        script = STRICT_SCRIPT.format(
+            repo=str(REPO),
+            verdict=v.SerializeToString().hex(),
+            addr=coordinator.addr,
+            rank=rank,
+            error_file=str(tmp_path / f"error-{rank}.json"),
+            body=body,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [6, 7], outs
+    assert outs[1][0].startswith("raised: stalled at step 2 for "), outs[1]
+    for rank in (0, 1):
+        error = json.loads((tmp_path / f"error-{rank}.json").read_text())["message"]
+        assert error["message"].startswith("CohortStalled: stalled at step 2 for "), error
+        assert "rank 0 on here in stuck (" in error["extraInfo"]["py_callstack"], error
+    assert "ending the job (--policy stall=strict)" in outs[0][1], outs[0][1]
