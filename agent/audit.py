@@ -143,6 +143,7 @@ class Auditor:
         self._pause: tuple[str, float] = ("", 0.0)  # (reason, since)
         self._beat_sent: tuple[int, float] = (-1, 0.0)  # (step, wall-clock time sent)
         self._snapshot_for = 0  # a stall whose snapshot the coordinator asked for
+        self._snapshot_sent = 0  # the stall whose snapshot was sent (asked again: not resent)
         self._stall_told = 0  # the stall last printed
         self.stalled: tuple[str, str] | None = None  # strict: (headline, report)
 
@@ -359,7 +360,7 @@ class Auditor:
             from cohortgate.agent.stack import main_thread
 
             w = main_thread()
-            beat.stall_id = self._snapshot_for
+            beat.stall_id = self._snapshot_sent = self._snapshot_for
             beat.snapshot.CopyFrom(
                 pb.StackSnapshot(where=w.where, call=w.call, via=w.via, frames=w.frames)
             )
@@ -457,7 +458,8 @@ class Auditor:
         said once per stall (the report once per node); under strict, the job ends here."""
         from cohortgate.agent.torchrun import say, write_error_file
 
-        if answer.snapshot_wanted:
+        # Every answer says so until the report is out: one snapshot per stall is enough.
+        if answer.snapshot_wanted and answer.snapshot_wanted != self._snapshot_sent:
             with self.cond:
                 self._snapshot_for = answer.snapshot_wanted
                 self.cond.notify_all()

@@ -21,7 +21,7 @@ from torch import nn
 from cohortgate.agent.audit import Auditor, ReplicasDiverged
 from cohortgate.agent.torchrun import RankIdentity
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
-from tests.helpers import REPO, InProcessCoordinator, wait_until
+from tests.helpers import REPO, InProcessCoordinator, metric_total, wait_until
 from tests.test_audits_grpc import formed, list_audits
 
 pytestmark = pytest.mark.timeout(90)
@@ -109,6 +109,10 @@ def test_step_marks_name_a_stall_and_each_rank_hears_it_once(
         for a in ranks:
             a.mark(step)
     wait_until("the stall told", lambda: all(a._stall_told for a in ranks), 30)
+    # one snapshot per rank: each answer asks until the report is out, and a rank that
+    # sent its snapshot does not send it again (it did, in a loop, as fast as answered)
+    marks = metric_total(coordinator.metrics_url, "cohortgate_step_marks_total")
+    assert marks < 40, f"{marks:g} step marks from two ranks in a few seconds"
     (record,) = list_audits(coordinator.addr, "agent-stall")
     assert (record.kind, record.step, record.level) == ("stalled", 3, "warn")
     assert re.search(r"stalled at step 3 for \d+ s: ranks 0-1 on here in \S+ \(", record.headline)
