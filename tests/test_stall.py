@@ -112,7 +112,7 @@ def test_a_stall_asks_every_rank_for_a_snapshot_then_reports_the_odd_one_first()
         "rank 2 on node-0 in wait_for_batch (data.py:31):\n    data.py:31 in wait_for_batch"
         in report
     )
-    assert "last steps: ranks 0-3 at step 5" in report
+    assert "last steps: ranks 0-3 at step 5 (12 s ago)" in report
     answer = c.answer()
     assert (answer.stall_id, answer.headline, answer.stop) == (1, headline, False)
 

@@ -354,7 +354,9 @@ class CohortProgress:
         for rank, r in sorted(self.ranks.items()):
             by_step.setdefault(r.step, []).append(rank)
         steps = "; ".join(
-            f"{_ranks_word(ranks)} at step {step}" for step, ranks in sorted(by_step.items())
+            f"{_ranks_word(ranks)} at step {step} "
+            f"({now - max(self.ranks[k].reached_at for k in ranks):.0f} s ago)"
+            for step, ranks in sorted(by_step.items())
         )
         lines += ["", f"last steps: {steps}"]
         lines.append(
