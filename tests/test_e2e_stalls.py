@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.helpers import (
     kill_group,
     launch,
     launch_env,
+    log_events,
     two_node_args,
 )
 from tests.test_e2e_audits import audits_of, host_of
@@ -79,7 +81,9 @@ def test_strict_ends_a_hung_job_with_the_report_in_torchruns_root_cause(tmp_path
     with coordinator_process(*flags, tmp=tmp_path) as (addr, log):
         env = launch_env(tmp_path, COHORTGATE_ADDR=addr, COHORTGATE_JOB="hung-strict")
         (out,) = finish([launch(job_args("hung-strict", *HANG), env, tmp_path)], timeout=200)
+        ended = time.time()
         records = audits_of(addr, "hung-strict")
+        (stalled,) = [e for e in log_events(log) if e["event"] == "cohort stalled"]
     assert "Root Cause (first observed failure)" in out, out
     root = out[out.index("Root Cause (first observed failure)") :]
     assert "exitcode  : 6" in root, root
@@ -94,7 +98,11 @@ def test_strict_ends_a_hung_job_with_the_report_in_torchruns_root_cause(tmp_path
     assert (record.kind, record.step, record.level) == ("stalled", 5, "strict")
     # named within the bound plus the snapshots' wait, not at a collective's timeout
     assert stalled_for(record.headline) <= 10 + 5 + 5, record.headline
-    assert "cohort stalled" in log.read_text()
+    # torchrun exits within 40 s of the stall's start (its last new step), not at gloo's
+    # timeout (30 min): the acceptance's bound, on a busy 2-core machine
+    found = datetime.fromisoformat(str(stalled["timestamp"]).replace("Z", "+00:00"))
+    started = found.timestamp() - float(stalled["stalled_s"])
+    assert ended - started < 40, (ended - started, stalled)
 
 
 def test_warn_names_the_stall_in_explain_while_the_job_still_hangs(tmp_path: Path) -> None:
