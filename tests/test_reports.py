@@ -265,7 +265,7 @@ def test_a_mesh_of_one_position_for_two_ranks() -> None:
 
     v = refused(cohort({r: Layout({"tp": 1}, {"tp": 0}) for r in range(2)}))
     assert v.findings == (
-        Finding("layout", STRICT, "the mesh 1 has 1 positions but the world size is 2", (0, 1)),
+        Finding("layout", STRICT, "the mesh has 1 position but the world size is 2", (0, 1)),
     )
 
 

@@ -84,12 +84,16 @@ class LayoutCheck(LayeredCheck):
         sizes = {a: sample.size(a) for a in AXES}
         mesh = math.prod(sizes.values())
         if mesh != world_size:
-            shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "1"
+            shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1)
+            # every axis of size 1: one position, the mesh of a job with no parallelism
+            mesh_text = (
+                f"the mesh {shown} has {mesh} positions" if shown else "the mesh has 1 position"
+            )
             return [
                 Finding(
                     self.name,
                     level,
-                    f"the mesh {shown} has {mesh} positions but the world size is {world_size}",
+                    f"{mesh_text} but the world size is {world_size}",
                     tuple(sorted(layouts)),
                 )
             ]
