@@ -367,3 +367,12 @@ def test_a_snapshot_is_bounded_however_deep_the_stack() -> None:
 
     w = deep(300)
     assert len(w.frames) == stack.MAX_FRAMES and all(len(f) <= stack.MAX_TEXT for f in w.frames)
+
+
+def test_stall_ids_start_where_the_coordinator_says() -> None:
+    """A coordinator that takes a job over (a restart, a failover) numbers its stalls past
+    those the ranks were told: a rank tells each stall id once."""
+    c = CohortProgress(COHORT, JOB, 4, Level.WARN, 10.0, first_stall_id=7_000)
+    t = run_steps(c, 3, 1.0)
+    stall_of(c, t + 11, dict.fromkeys(range(4), WAITING))
+    assert c.answer().stall_id == 7_000

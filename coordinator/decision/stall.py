@@ -179,6 +179,7 @@ class CohortProgress:
         level: Level,
         stall_after_s: float | None = None,
         pause_limit_s: float = 1800.0,
+        first_stall_id: int = 1,
     ) -> None:
         self.cohort_id, self.job_id, self.world_size = cohort_id, job_id, world_size
         self.level, self.stall_after_s, self.pause_limit_s = level, stall_after_s, pause_limit_s
@@ -191,6 +192,9 @@ class CohortProgress:
         self.last_seen = 0.0
         self.stall: Stall | None = None
         self.stalls = 0  # stalls found so far
+        # Stall ids: ranks tell each stall once by its id; a coordinator that takes over a
+        # job (a restart, a failover) numbers its stalls past the ones already told.
+        self.first_stall_id = first_stall_id
         self.new: list[StallEvent] = []
 
     # -- beats -----------------------------------------------------------------------------
@@ -287,8 +291,10 @@ class CohortProgress:
                 or not self._answering(now)  # nobody beats: the job ended or was killed
             ):
                 return
+            self.stall = Stall(
+                self.first_stall_id + self.stalls, self.last_progress, now, self.top_step
+            )
             self.stalls += 1
-            self.stall = Stall(self.stalls, self.last_progress, now, self.top_step)
             return
         if stall.told:
             return

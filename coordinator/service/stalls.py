@@ -9,6 +9,7 @@ Cheap per call: a dict update per rank; the report is built once per stall."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import structlog
@@ -43,8 +44,9 @@ class Stalls:
         observer: Observer,
         clock: Callable[[], float],
         formed: Formed | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
-        self.options, self.observer, self.clock = options, observer, clock
+        self.options, self.observer, self.clock, self.wall = options, observer, clock, wall
         self.formed: Formed = formed or (lambda job_id, round_: None)
         self.cohorts: dict[str, CohortProgress] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -85,6 +87,8 @@ class Stalls:
             policies.for_job(b.job_id)["stall"],
             self.options.stall_after_for(b.job_id),
             self.options.pause_limit_s,
+            # past any id a coordinator before this one gave (one per 1/256 s at most)
+            first_stall_id=int(self.wall() * 256),
         )
         if held is not None:
             c.hosts.update(held[1])  # a rank that never beats is named with its host
