@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -176,3 +177,29 @@ def test_a_step_marks_answer_carries_what_an_audits_answer_says(
     assert list(audited.tensors_rank) == [0, 1]
     (marked,) = send(addr, mark(v, 0, 1)).answers
     assert (list(marked.tensors_rank), marked.compared_until, marked.level) == ([0, 1], 1, "warn")
+
+
+def test_a_straggler_is_named_on_the_status_page_and_counted(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Ranks 0-2 take 0.2 s a step, rank 3 0.5 s (the marks' ages date the steps: each rank
+    sends 20 marks at once, as if over the last seconds)."""
+    addr = coordinator.addr
+    v = formed(addr, "stall-slow")
+    for rank, step_s in ((0, 0.2), (1, 0.2), (2, 0.2), (3, 0.5)):
+        for step in range(20):
+            send(addr, mark(v, rank, step, step_age_s=(19 - step) * step_s))
+    wait = time.monotonic() + 10
+    while metric_total(coordinator.metrics_url, "cohortgate_stragglers") != 1:
+        assert time.monotonic() < wait, "no straggler counted"
+        time.sleep(0.2)
+    (line,) = [s for s in status_stalls(coordinator) if s["job_id"] == "stall-slow"]
+    # (the calls' own milliseconds add to the ages' spacing: 0.502 s, 0.203 s)
+    named = line["stragglers"]
+    assert isinstance(named, list) and len(named) == 1, named
+    said = str(named[0])
+    assert re.fullmatch(
+        r"rank 3 on host1: 0\.5\d* s a step, 2\.\dx its cohort's median 0\.2\d* s", said
+    )
+    with urllib.request.urlopen(f"{coordinator.metrics_url}/status", timeout=5) as page:
+        assert f"stragglers: {html.escape(said)}" in page.read().decode()

@@ -23,12 +23,16 @@ from cohortgate.coordinator.decision.stall import (
     CohortProgress,
     StallAnswer,
     StallEvent,
+    Straggler,
 )
 from cohortgate.coordinator.service.observers import Observer
 
 log = structlog.get_logger("cohortgate")
 
 SWEEP_S = 1.0
+# Stragglers are found this often (a pass over every rank of every watched job: at 100k ranks
+# tens of milliseconds, not to be paid on the event loop every second).
+STRAGGLERS_EVERY_S = 10.0
 # A cohort none of whose ranks beat for this long is forgotten.
 IDLE_S = 600.0
 MAX_WATCHED = 10_000
@@ -49,6 +53,8 @@ class Stalls:
         self.options, self.observer, self.clock, self.wall = options, observer, clock, wall
         self.formed: Formed = formed or (lambda job_id, round_: None)
         self.cohorts: dict[str, CohortProgress] = {}
+        self.stragglers: dict[str, list[Straggler]] = {}  # by cohort id, as last found
+        self._stragglers_at = -STRAGGLERS_EVERY_S
         self._sweeper: asyncio.Task[None] | None = None
 
     def beat(self, beats: list[Beat]) -> dict[str, StallAnswer]:
@@ -139,13 +145,16 @@ class Stalls:
 
     def sweep(self) -> None:
         now = self.clock()
-        slow = 0
         for c in list(self.cohorts.values()):
             c.sweep(now)
             self._drain(c)
-            slow += len(c.stragglers(self.options.straggler_ratio))
-        self.observer.metrics.stragglers.set(slow)
         self._evict(now, IDLE_S)
+        if now - self._stragglers_at >= STRAGGLERS_EVERY_S:
+            self._stragglers_at = now
+            ratio = self.options.straggler_ratio
+            found = {k: c.stragglers(ratio) for k, c in self.cohorts.items()}
+            self.stragglers = {k: v for k, v in found.items() if v}
+            self.observer.metrics.stragglers.set(sum(len(v) for v in found.values()))
 
     def _evict(self, now: float, idle_s: float) -> None:
         for cohort_id in [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]:
@@ -179,8 +188,7 @@ class Stalls:
                     "stall_after_s": c.bound(),
                     "since_progress_s": round(now - c.last_progress, 1),
                     "stragglers": [
-                        s.text()
-                        for s in c.stragglers(self.options.straggler_ratio)[:STRAGGLERS_SHOWN]
+                        s.text() for s in self.stragglers.get(c.cohort_id, [])[:STRAGGLERS_SHOWN]
                     ],
                     "stall": None
                     if stall is None
