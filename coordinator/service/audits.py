@@ -9,7 +9,6 @@ Cheap per call: a dict insert per rank, a comparison per step once its last rank
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 import structlog
@@ -24,6 +23,7 @@ from cohortgate.coordinator.decision.audit import Answer, AuditFinding, CohortAu
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.verdict import Level
 from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.service.sweeper import Sweeper
 
 log = structlog.get_logger("cohortgate")
 
@@ -47,7 +47,7 @@ class Audits:
         self.options, self.observer, self.clock = options, observer, clock
         self.formed: Formed = formed or (lambda job_id, round_: None)
         self.cohorts: dict[str, CohortAudits] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        self.sweeper = Sweeper("audit", SWEEP_S, self.sweep, lambda: bool(self.cohorts))
 
     # -- calls -----------------------------------------------------------------------------
     def submit(self, audits: list[RankAudit]) -> list[Answer]:
@@ -63,7 +63,7 @@ class Audits:
         self.observer.metrics.audit_calls.inc()
         for c in touched.values():
             self._drain(c)
-        self._start_sweeping()
+        self.sweeper.start()
         return [c.answer() for c in touched.values()]
 
     def answer_for(self, cohort_id: str) -> Answer | None:
@@ -143,18 +143,6 @@ class Audits:
         c.new.clear()
 
     # -- sweeping --------------------------------------------------------------------------
-    def _start_sweeping(self) -> None:
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
-
-    async def _sweep_loop(self) -> None:
-        while self.cohorts:
-            await asyncio.sleep(SWEEP_S)
-            try:
-                self.sweep()
-            except Exception:  # a bug: logged whole; the next sweep goes on
-                log.exception("audit sweep failed")
-
     def sweep(self) -> None:
         now = self.clock()
         for c in list(self.cohorts.values()):
@@ -168,8 +156,7 @@ class Audits:
         self.observer.metrics.audited_cohorts.set(len(self.cohorts))
 
     def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        self.sweeper.close()
 
     # -- reading ---------------------------------------------------------------------------
     def findings(self, job_id: str) -> list[AuditFinding]:

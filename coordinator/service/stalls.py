@@ -8,7 +8,6 @@ Cheap per call: a dict update per rank; the report is built once per stall."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from cohortgate.coordinator.decision.stall import (
     Straggler,
 )
 from cohortgate.coordinator.service.observers import Observer
+from cohortgate.coordinator.service.sweeper import Sweeper
 
 log = structlog.get_logger("cohortgate")
 
@@ -55,7 +55,7 @@ class Stalls:
         self.cohorts: dict[str, CohortProgress] = {}
         self.stragglers: dict[str, list[Straggler]] = {}  # by cohort id, as last found
         self._stragglers_at = -STRAGGLERS_EVERY_S
-        self._sweeper: asyncio.Task[None] | None = None
+        self.sweeper = Sweeper("stall", SWEEP_S, self.sweep, lambda: bool(self.cohorts))
 
     def beat(self, beats: list[Beat]) -> dict[str, StallAnswer]:
         """Add the step marks (validated, one job); the answer for each cohort they name."""
@@ -68,7 +68,7 @@ class Stalls:
         self.observer.metrics.step_marks.inc(len(beats))
         for c in touched.values():
             self._drain(c)
-        self._start_sweeping()
+        self.sweeper.start()
         return {k: c.answer() for k, c in touched.items()}
 
     def _cohort(self, b: Beat, now: float) -> CohortProgress:
@@ -131,18 +131,6 @@ class Stalls:
         m.stalled.set(sum(1 for x in self.cohorts.values() if x.stall and x.stall.told))
 
     # -- sweeping --------------------------------------------------------------------------
-    def _start_sweeping(self) -> None:
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
-
-    async def _sweep_loop(self) -> None:
-        while self.cohorts:
-            await asyncio.sleep(SWEEP_S)
-            try:
-                self.sweep()
-            except Exception:  # a bug: logged whole; the next sweep goes on
-                log.exception("stall sweep failed")
-
     def sweep(self) -> None:
         now = self.clock()
         for c in list(self.cohorts.values()):
@@ -162,8 +150,7 @@ class Stalls:
         self.observer.metrics.watched_cohorts.set(len(self.cohorts))
 
     def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        self.sweeper.close()
 
     # -- reading ---------------------------------------------------------------------------
     def status(self, shown: int = 100) -> list[dict[str, object]]:
