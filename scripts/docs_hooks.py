@@ -347,7 +347,8 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def _known() -> dict[str, set[str]]:
-    """command -> the options it takes; `run` takes its own and torchrun's."""
+    """command -> the options it takes; `run` takes its own and torchrun's; each example
+    script (examples/NAME.py) its own, from its --help."""
     from torch.distributed.run import get_args_parser
 
     from cohortgate.coordinator.cli.run import OWN_OPTIONS
@@ -356,7 +357,27 @@ def _known() -> dict[str, set[str]]:
     torchrun = _options(get_args_parser())
     known["cohortgate run"] = set(OWN_OPTIONS) | torchrun
     known["torchrun"] = torchrun
+    known.update(_example_options())
     return known
+
+
+def _example_options() -> dict[str, set[str]]:
+    """examples/NAME.py -> the options its --help names (the scripts that parse arguments;
+    the others are never run here)."""
+    import subprocess
+    import sys
+
+    out = {}
+    for script in sorted((REPO / "examples").glob("*.py")):
+        if "argparse" not in script.read_text():
+            continue
+        done = subprocess.run(
+            [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise ValueError(f"{script.name} --help failed: {done.stderr[-500:]}")
+        out[f"examples/{script.name}"] = set(re.findall(r"--[\w-]+", done.stdout))
+    return out
 
 
 def _commands(script: str) -> list[list[str]]:
@@ -379,33 +400,52 @@ def _commands(script: str) -> list[list[str]]:
     return [c for c in out if c]
 
 
-def unknown_flags(markdown: str, known: dict[str, set[str]] | None = None) -> list[str]:
-    """`cohortgate COMMAND --flag` and `torchrun --flag` in the shell blocks of `markdown`
-    whose flag the command does not take (options after the script are the script's)."""
-    known = _known() if known is None else known
+INLINE = re.compile(r"`(cohortgate [^`]+)`")
+
+
+def flag_uses(markdown: str, known: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(command, --flag) for each flag a known command is given in the shell blocks of
+    `markdown` and in its inline `cohortgate ...` spans. A command's options end at the
+    script it runs (an example script's are then its own: checked as that script's)."""
+    snippets = [b.group(2) for b in BLOCK.finditer(markdown) if b.group(1) in SHELL]
+    outside = BLOCK.sub("", markdown)
+    snippets += INLINE.findall(outside)
     found = []
-    for block in BLOCK.finditer(markdown):
-        if block.group(1) not in SHELL:
-            continue
-        for command in _commands(block.group(2)):
+    for snippet in snippets:
+        for command in _commands(snippet):
             words = [w for w in command if "=" not in w or w.startswith("-")]  # VAR=x cmd
-            for i, word in enumerate(words):
-                name = Path(word).name
-                key = (
-                    f"cohortgate {words[i + 1]}"
-                    if name == "cohortgate" and i + 1 < len(words)
-                    else name
-                )
-                if key not in known:
-                    continue
-                for arg in words[i + 1 :]:
-                    if arg.endswith(".py") or arg == "-m":
-                        break
-                    flag = arg.split("=", 1)[0]
-                    if flag.startswith("--") and flag not in known[key]:
-                        found.append(f"{key} {flag}")
-                break
+            found += _uses(words, known)
     return found
+
+
+def _uses(words: list[str], known: dict[str, set[str]]) -> list[tuple[str, str]]:
+    found = []
+    for i, word in enumerate(words):
+        name = Path(word).name
+        if name == "cohortgate" and i + 1 < len(words):
+            key = f"cohortgate {words[i + 1]}"
+        elif word.endswith(".py") and f"examples/{name}" in known:
+            key = f"examples/{name}"
+        else:
+            key = name
+        if key not in known:
+            continue
+        for j, arg in enumerate(words[i + 1 :], start=i + 1):
+            if arg.endswith(".py") or arg == "-m":
+                found += _uses(words[j:], known) if arg.endswith(".py") else []
+                break
+            if arg.startswith("--"):
+                found.append((key, arg.split("=", 1)[0]))
+        break
+    return found
+
+
+def unknown_flags(markdown: str, known: dict[str, set[str]] | None = None) -> list[str]:
+    """`cohortgate COMMAND --flag`, `torchrun --flag` and `examples/NAME.py --flag` in the
+    shell blocks (and inline `cohortgate ...` spans) of `markdown` whose flag the command
+    does not take."""
+    known = _known() if known is None else known
+    return [f"{key} {flag}" for key, flag in flag_uses(markdown, known) if flag not in known[key]]
 
 
 def on_files(files: Any, config: Any) -> Any:

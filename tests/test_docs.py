@@ -99,6 +99,9 @@ def test_the_reference_shows_every_check_and_a_refusal_the_code_decided(site: Pa
 
 
 def test_a_flag_the_code_does_not_take_is_found_in_any_page() -> None:
+    """Every `cohortgate CMD --flag`, `torchrun --flag` and `examples/NAME.py --flag` the
+    README and the docs show (shell blocks and inline `cohortgate ...` spans) is one that
+    command takes: the check the docs build runs (scripts/docs_hooks.py), over the README too."""
     hooks = _hooks()
     known = hooks._known()
     bad = {
@@ -107,14 +110,28 @@ def test_a_flag_the_code_does_not_take_is_found_in_any_page() -> None:
         if (u := hooks.unknown_flags(p.read_text(), known))
     }
     assert bad == {}
-    # The check can fail: a renamed serve flag, a torchrun option that does not exist.
+    used = [use for p in PAGES for use in hooks.flag_uses(p.read_text(), known)]
+    assert len(used) > 15, used
+    assert {key for key, _ in used} >= {
+        "cohortgate serve",
+        "cohortgate run",
+        "cohortgate relay",
+        "torchrun",
+        "examples/train.py",
+    }
+    # The check can fail: a renamed serve flag, a torchrun option that does not exist, an
+    # example's flag that is not its own (after a command's own, which are still checked).
     renamed = (
         "```sh\ncohortgate serve --join-timeout 5\n"
-        "COHORTGATE_JOB=x torchrun --nodes 2 t.py --steps 5\n```\n"
+        "COHORTGATE_JOB=x torchrun --nodes 2 t.py --steps 5\n"
+        "cohortgate run --nproc-per-node 2 examples/train.py --stall-rank 1\n```\n"
+        "and inline: `cohortgate explain JOB --audit`\n"
     )
     assert hooks.unknown_flags(renamed, known) == [
         "cohortgate serve --join-timeout",
         "torchrun --nodes",
+        "examples/train.py --stall-rank",
+        "cohortgate explain --audit",
     ]
 
 

@@ -20,7 +20,6 @@ from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.cli.launch import LaunchError, job_id, parse_torchrun
 from tests.helpers import (
-    REPO,
     InProcessCoordinator,
     RankResult,
     coordinator_process,
@@ -362,77 +361,7 @@ def test_status_shows_the_reason_not_its_dedupe_key(coord: InProcessCoordinator)
     assert "#" not in done.stdout
 
 
-# -- 11. the README's and the docs' commands ----------------------------------------------------
-def _readme_commands() -> list[str]:
-    """Shell lines of the sh/bash code blocks of the README and every docs page (continued
-    lines joined), and their inline `cohortgate ...` spans."""
-    import re
-
-    lines, fence = [], None
-    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-    text = "\n".join(page.read_text().replace("\\\n", " ") for page in pages)
-    for line in text.splitlines():
-        if line.startswith("```"):
-            fence = None if fence is not None else line[3:].strip()
-            continue
-        if fence in ("sh", "bash", "console"):
-            lines.append(line.split(" #")[0])
-        elif fence is None:
-            lines += re.findall(r"`(cohortgate [^`]+)`", line)
-    return lines
-
-
-@pytest.mark.slow
-def test_every_flag_the_readme_and_the_docs_name_exists() -> None:
-    """Each `cohortgate CMD ...` and `examples/*.py ...` the README and the docs show: every
-    --flag it uses is in that command's --help (for run: cohortgate run's, or torchrun's)."""
-    import re
-
-    from cohortgate.coordinator.cli.launch import TORCHRUN_FLAGS, TORCHRUN_VALUES
-
-    torchrun = {o for t in (TORCHRUN_FLAGS, TORCHRUN_VALUES) for opts in t.values() for o in opts}
-    helps: dict[str, str] = {}
-
-    def help_of(key: str) -> str:
-        if key not in helps:
-            cmd = (
-                [str(REPO / "examples" / f"{key[9:]}.py"), "--help"]
-                if key.startswith("examples/")
-                else ["-m", "cohortgate.coordinator.cli", *key.split()[1:], "--help"]
-            )
-            done = subprocess.run(
-                [sys.executable, *cmd], capture_output=True, text=True, timeout=60
-            )
-            assert done.returncode == 0, (key, done.stderr)
-            helps[key] = done.stdout
-        return helps[key]
-
-    checked = []
-    for line in _readme_commands():
-        for command in re.split(r"[|&;]|\$\(", line):
-            words = command.split()
-            for i, word in enumerate(words):
-                if word == "cohortgate" and i + 1 < len(words) and not words[i + 1].startswith("-"):
-                    key, rest = f"cohortgate {words[i + 1]}", words[i + 2 :]
-                elif word.startswith("examples/") and word.endswith(".py"):
-                    key, rest = f"examples/{word[9:-3]}", words[i + 1 :]
-                else:
-                    continue
-                # a command's flags end at the script it runs (whose own are checked next)
-                script = next((j for j, w in enumerate(rest) if w.endswith(".py")), len(rest))
-                for flag in [w.split("=")[0] for w in rest[:script] if w.startswith("--")]:
-                    known = flag in help_of(key) or (key == "cohortgate run" and flag in torchrun)
-                    assert known, f"README: {line.strip()!r}: {flag} is not in {key} --help"
-                    checked.append((key, flag))
-    assert len(checked) > 15, checked
-    assert {k for k, _ in checked} >= {
-        "cohortgate serve",
-        "cohortgate run",
-        "cohortgate relay",
-        "examples/train",
-    }
-
-
+# -- 11. the README's and the docs' commands: tests/test_docs.py (the docs build's check)
 def test_every_help_line_states_its_default() -> None:
     import argparse
 
