@@ -41,9 +41,13 @@ REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-_LOOP: list[asyncio.AbstractEventLoop] = []  # the one, once made
-_LOOP_LOCK = threading.Lock()
-_PINNED: list[object] = []
+class _Shared:
+    """The test process's one loop (see shared_loop), made once under the lock, with the
+    channel that pins grpc's state to it."""
+
+    lock = threading.Lock()
+    loop: asyncio.AbstractEventLoop | None = None
+    pin: object = None
 
 
 def shared_loop() -> asyncio.AbstractEventLoop:
@@ -56,17 +60,17 @@ def shared_loop() -> asyncio.AbstractEventLoop:
     later grpc.aio call of the process without events: it hangs to its deadline ("Event
     loop is closed" in grpc's _handle_events). One loop that lives as long as the process,
     holding a channel so that grpc's state is bound to it first, cannot."""
-    with _LOOP_LOCK:
-        if not _LOOP:
+    with _Shared.lock:
+        if _Shared.loop is None:
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="test-loop", daemon=True).start()
 
-            async def pin() -> None:
-                _PINNED.append(grpc.aio.insecure_channel("127.0.0.1:9"))
+            async def pin() -> object:
+                return grpc.aio.insecure_channel("127.0.0.1:9")
 
-            asyncio.run_coroutine_threadsafe(pin(), loop).result(timeout=30)
-            _LOOP.append(loop)
-        return _LOOP[0]
+            _Shared.pin = asyncio.run_coroutine_threadsafe(pin(), loop).result(timeout=30)
+            _Shared.loop = loop
+        return _Shared.loop
 
 
 def run_async(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
