@@ -150,6 +150,45 @@ def _decided(world: int, differ: dict[int, dict[str, Any]], joined: int | None =
     return f"```text\n{verdict.headline}\n\n{verdict.report}\n```\n"
 
 
+def sharded_refusal() -> str:
+    """The guide's sharded example, decided here: 8 ranks at tp=2 pp=2 dp=2, each holding
+    its fc1 slice (column-parallel) and fc1 bias; rank 3 builds its slice 8 rows too wide."""
+    from cohortgate.coordinator.contract.layout import layout
+    from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+    from cohortgate.coordinator.decision.cohort import CohortState, Member
+    from cohortgate.coordinator.decision.formation import FormationOptions
+    from cohortgate.coordinator.decision.report import judge
+
+    hidden, dim = 64, 16
+    cohort = CohortState("job-7", 1, 8, first_join_at=0.0)
+    for rank in range(8):
+        decl = layout(rank, tp=2, pp=2, dp=2)
+        tp, pp = decl.position["tp"], decl.position["pp"]
+        rows = hidden // 2 + (8 if rank == 3 else 0)  # its piece as wide as its slice
+        decl.shard(f"layers.{pp}.fc1.weight", (hidden, dim), (tp * hidden // 2, 0), (rows, dim))
+        decl.split(f"layers.{pp}.fc1.bias", (hidden,), dim=0, index=tp, parts=2)
+        m = Manifest.of(
+            [
+                Entry(Kind.PARAMETER, "fc1.weight", "float32", (rows, dim), True),
+                Entry(Kind.PARAMETER, "fc1.bias", "float32", (hidden // 2,), True),
+            ]
+        )
+        member = Member(
+            rank=rank,
+            host=f"node{rank // 4}",
+            pid=1000 + rank,
+            incarnation=f"inc{rank}",
+            signature=m.signature(),
+            manifest_entries=len(m),
+            layout=decl.build(),
+        )
+        cohort.add(member, 0.0)
+        cohort.manifests[m.signature()] = m
+    _, verdict = judge(cohort, 1.0, FormationOptions())
+    assert verdict is not None and verdict.report, "the sharded example was not refused"
+    return f"```text\n{verdict.headline}\n\n{verdict.report}\n```\n"
+
+
 EXAMPLES: dict[str, tuple[str, Callable[[], str]]] = {
     "signature_mismatch": (
         "rank 2 built a wider layer",
@@ -322,6 +361,7 @@ GENERATED: dict[str, Callable[[], str]] = {
     "causes": causes,
     "example-refusal": example_refusal,
     "example-refusals": example_refusals,
+    "sharded-refusal": sharded_refusal,
     "grpc-api": grpc_api,
     "mutation-scope": mutation_scope,
 }

@@ -96,6 +96,9 @@ def test_the_reference_shows_every_check_and_a_refusal_the_code_decided(site: Pa
     for cause in Cause:
         assert f"<code>{cause.value}</code>" in page, cause
     assert "rank 2 on node1 built a different model than ranks 0-1,3" in page
+    # the sharded guide's example, decided by the code as the docs were built
+    sharded = (site / "guides" / "sharded-jobs" / "index.html").read_text()
+    assert "piece [32:72, 0:16] on rank 3 lies outside the tensor's shape [64, 16]" in sharded
 
 
 def test_a_flag_the_code_does_not_take_is_found_in_any_page() -> None:
