@@ -119,13 +119,21 @@ def _in_venv(root: Path, rel: Path) -> bool:
     return any((root.joinpath(*parts[: i + 1]) / "pyvenv.cfg").exists() for i in range(len(parts)))
 
 
+TOKENIZER_FORMAT = "cohortgate.tokenizer.v1"
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """'sha256:<hex>' of what makes a Hugging Face tokenizer encode text as it does: its
     class, vocabulary, added and special tokens, and (fast tokenizers) the whole pipeline
     (normalizer, pre-tokenizer, model with its merges, post-processor). Pass it as a fact:
     `cohortgate.join(model, facts={"tokenizer": tokenizer_fingerprint(tok)})`; the tokenizer
-    itself is never sent."""
-    parts: dict[str, Any] = {"class": type(tokenizer).__name__}
+    itself is never sent.
+
+    The fingerprint's own format is versioned (TOKENIZER_FORMAT, hashed in): a later
+    cohortgate that reads a tokenizer differently changes it on purpose, never by accident.
+    The pipeline is the `tokenizers` library's own serialization: ranks with two versions of
+    that library can differ here, as they can in how they tokenize."""
+    parts: dict[str, Any] = {"format": TOKENIZER_FORMAT, "class": type(tokenizer).__name__}
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         parts["pipeline"] = json.loads(backend.to_str())
