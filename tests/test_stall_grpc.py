@@ -6,6 +6,8 @@ from __future__ import annotations
 import html
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -43,6 +45,17 @@ def mark(v: pb.Verdict, rank: int, step: int, **kw: object) -> pb.RankAudit:
         "step_only": True,
     }
     return pb.RankAudit(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "cohortgate.coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def snapshot(where: str, call: str = "") -> pb.StackSnapshot:
@@ -98,6 +111,11 @@ def test_a_stall_asks_for_snapshots_and_reports_the_odd_rank_first(
         assert html.escape(told.stall_headline) in page.read().decode()
     assert metric_total(coordinator.metrics_url, 'cohortgate_stalls_total{level="warn"}') == 1
     assert metric_total(coordinator.metrics_url, "cohortgate_stalled_cohorts") == 1
+    # cohortgate explain: the verdict, then the stall (going on), and in JSON
+    explained = cli("explain", "stall-grpc", "--addr", addr)
+    assert "the stall (still going on): " + told.stall_headline in explained, explained
+    as_json = json.loads(cli("explain", "stall-grpc", "--addr", addr, "--json"))
+    assert [(s["kind"], s["step"]) for s in as_json["stalls"]] == [("stalled", 2)], as_json
     # a step: the stall is over, recorded with its duration
     (answer,) = send(addr, mark(v, 0, 3)).answers
     assert answer.stall_id == 0
