@@ -1,8 +1,9 @@
 """Where the main thread is, read from another thread (the agent's background thread runs
 while the main thread waits inside a collective: torch releases the GIL there).
 
-A snapshot names the innermost frame of user code (the script, not torch, the standard
-library, installed packages or cohortgate), the library call below it (the innermost public
+A snapshot names the innermost frame of user code (the script, or an installed trainer such
+as transformers or lightning; not torch, numpy, grpc, the standard library or cohortgate),
+the library call below it (the innermost public
 function: `all_reduce`, `backward`) and the outermost library frame it went through
 (`DistributedDataParallel.forward`), so that ranks waiting in the same collective from the same
 line read the same, and a rank stuck in its own code reads as that code.
@@ -34,13 +35,31 @@ class Where:
     frames: tuple[str, ...]
 
 
+# Installed packages whose frames are plumbing, not a program's: a call into them is named
+# as the call. Any other installed package (transformers, lightning, a team's trainer) reads
+# as the program's code: its frame is where the rank is.
+RUNTIME_PACKAGES = ("torch", "numpy", "grpc", "google.protobuf")
+
+
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
-    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    installed = tuple(paths[k] for k in ("purelib", "platlib") if k in paths)
+    # the standard library's directories, but never one that holds the installed packages
+    # (a venv's platstdlib is its lib/pythonX.Y, above its site-packages)
+    dirs = {
+        d
+        for d in (
+            os.path.dirname(os.__file__),
+            paths.get("stdlib", ""),
+            paths.get("platstdlib", ""),
+        )
+        if d and not any(i.startswith(d.rstrip(os.sep) + os.sep) for i in installed)
+    }
     dirs.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # cohortgate
-    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
-    if torch_file:
-        dirs.add(os.path.dirname(os.path.abspath(torch_file)))
+    for name in RUNTIME_PACKAGES:
+        found = getattr(sys.modules.get(name), "__file__", None)
+        if found:
+            dirs.add(os.path.dirname(os.path.abspath(found)))
     return tuple(sorted(d.rstrip(os.sep) + os.sep for d in dirs if d))
 
 

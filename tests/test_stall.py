@@ -352,6 +352,24 @@ def test_a_stack_of_library_frames_only_names_its_innermost() -> None:
     assert (w.where, w.call, w.via) == ("pkg/loop.py:1 in run", "", "")
 
 
+def test_torch_is_a_library_and_an_installed_trainer_is_the_programs_code() -> None:
+    """A frame in site-packages/torch names the call; one in site-packages/transformers (or a
+    team's trainer package) is where the rank is."""
+    import sysconfig
+
+    import torch
+
+    libraries = stack._library_dirs()
+    site = sysconfig.get_paths()["purelib"]
+    assert stack.is_library(torch.__file__, libraries)
+    assert stack.is_library(threading.__file__, libraries)  # the standard library
+    assert stack.is_library(stack.__file__, libraries)  # cohortgate itself
+    assert not stack.is_library(f"{site}/transformers/trainer.py", libraries)
+    assert not stack.is_library("/home/me/train.py", libraries)
+    assert not stack.is_library("<string>", libraries)  # python -c
+    assert stack.is_library("<frozen importlib._bootstrap>", libraries)
+
+
 def test_the_main_thread_is_read_from_another_thread() -> None:
     got: list[stack.Where] = []
     t = threading.Thread(target=lambda: got.append(stack.main_thread()))
