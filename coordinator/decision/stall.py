@@ -31,9 +31,10 @@ SNAPSHOT_WAIT_S = 5.0
 SILENT_S = 6.0
 # Step intervals kept per cohort for the median.
 INTERVALS = 64
-# Stragglers: a rank's step time is taken over its last STRAGGLER_WINDOW marks (at least
-# STRAGGLER_MIN_STEPS steps apart), against the median of its cohort's ranks.
-STRAGGLER_WINDOW = 16
+# Stragglers: a rank's step time is taken over its last 8 to 16 marks (from an anchor moved
+# every STRAGGLER_WINDOW marks: a few numbers a rank, not a list), at least
+# STRAGGLER_MIN_STEPS steps, against the median of its cohort's ranks.
+STRAGGLER_WINDOW = 8
 STRAGGLER_MIN_STEPS = 8
 STRAGGLERS_SHOWN = 8
 # Frames kept per snapshot (innermost first), and shown per group in the report.
@@ -112,8 +113,11 @@ class StallEvent:
     stalled_s: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Rank:
+    """What the coordinator holds of one rank: a few numbers (a job of 100k ranks holds
+    100k of these)."""
+
     host: str
     step: int
     reached_at: float  # coordinator time the step was reached
@@ -121,14 +125,25 @@ class _Rank:
     paused: str = ""
     paused_since: float = 0.0
     done: bool = False
-    marks: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=STRAGGLER_WINDOW))
+    # (older anchor's step, its time, newer anchor's step, its time, marks since the newer)
+    window: tuple[int, float, int, float, int] = (-1, 0.0, -1, 0.0, 0)
+
+    def mark(self, step: int, at: float) -> None:
+        """A new step reached at `at`: the anchors move every STRAGGLER_WINDOW marks."""
+        older_step, older_at, newer_step, newer_at, since = self.window
+        if newer_step < 0:
+            self.window = (step, at, step, at, 0)
+        elif since + 1 >= STRAGGLER_WINDOW:
+            self.window = (newer_step, newer_at, step, at, 0)
+        else:
+            self.window = (older_step, older_at, newer_step, newer_at, since + 1)
 
     def step_s(self) -> float | None:
-        """Seconds per step over the window of its marks (None: too few steps yet)."""
-        if len(self.marks) < 2:
+        """Seconds per step since the older anchor (None: too few steps yet)."""
+        older_step, older_at = self.window[:2]
+        if older_step < 0 or self.step - older_step < STRAGGLER_MIN_STEPS:
             return None
-        (s0, t0), (s1, t1) = self.marks[0], self.marks[-1]
-        return (t1 - t0) / (s1 - s0) if s1 - s0 >= STRAGGLER_MIN_STEPS else None
+        return (self.reached_at - older_at) / (self.step - older_step)
 
 
 @dataclass(frozen=True)
@@ -205,11 +220,11 @@ class CohortProgress:
         r = self.ranks.get(b.rank)
         if r is None:
             r = self.ranks[b.rank] = _Rank(b.host, b.step, reached, now)
-            r.marks.append((b.step, reached))
+            r.mark(b.step, reached)
             self._progress(reached)
         elif b.step > r.step:
             r.step, r.reached_at = b.step, reached
-            r.marks.append((b.step, reached))
+            r.mark(b.step, reached)
             self._progress(reached)
         r.seen_at, r.host, r.done = now, b.host, r.done or b.done
         if b.paused:
@@ -253,7 +268,7 @@ class CohortProgress:
 
     def stragglers(self, ratio: float) -> list[Straggler]:
         """Ranks whose steps take `ratio` times their cohort's median or longer (over their
-        last marks), slowest first; none while fewer than 3 ranks have a step time, or when
+        last 8 to 16 marks), slowest first; none while fewer than 3 ranks have a step time, or when
         `ratio` is 0 (off)."""
         timed = {k: t for k, r in self.ranks.items() if (t := r.step_s()) is not None}
         if ratio <= 0 or len(timed) < 3:

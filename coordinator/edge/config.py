@@ -176,7 +176,7 @@ class ServeConfig(BaseModel):
         1.5,
         ge=0,
         description="a rank whose steps (cohort.step) take this many times its job's median "
-        "step time, over its last 16 marks, is named a straggler on the status page and "
+        "step time, over its last 8 to 16 marks, is named a straggler on the status page and "
         "counted in cohortgate_stragglers (0: off)",
     )
     max_message_bytes: int = Field(
