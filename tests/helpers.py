@@ -385,6 +385,23 @@ def _running_threads(pid: int) -> list[str]:
     return running
 
 
+def kill_job_workers(job: str) -> list[int]:
+    """SIGKILL every process of this machine whose environment names torchrun job `job`
+    (TORCHELASTIC_RUN_ID): torchrun starts its workers in sessions of their own, so ending a
+    launch's process group misses a worker that outlived its agent, and a SIGSTOPped one
+    ignores the SIGTERM its agent sends. The pids killed."""
+    wanted = f"TORCHELASTIC_RUN_ID={job}".encode()
+    killed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if wanted in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+    return killed
+
+
 # -- real launches ----------------------------------------------------------------------
 TRAIN = REPO / "examples" / "train.py"
 

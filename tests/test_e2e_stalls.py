@@ -20,6 +20,7 @@ from tests.helpers import (
     finish,
     free_port,
     kill_group,
+    kill_job_workers,
     launch,
     launch_env,
     log_events,
@@ -133,6 +134,7 @@ def test_through_relays_a_stopped_rank_is_named_as_not_answering_with_its_host(
         finally:
             for proc in procs:
                 kill_group(proc)
+            kill_job_workers("hung-relay")  # rank 3, stopped: its agent's SIGTERM waits
     stall = out[out.index("the stall (still going on)") :]
     headline = stall.splitlines()[0]
     assert re.search(r"; no answer from rank 3 on \S+$", headline), headline
