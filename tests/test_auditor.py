@@ -109,6 +109,7 @@ def test_a_divergence_found_as_the_job_ends_is_raised_at_close_under_strict(
     assert (record.kind, record.step, record.level) == ("diverged", 0, "strict")
 
 
+@pytest.mark.slow  # waits out --stall-after and the ranks' next marks
 def test_step_marks_name_a_stall_and_each_rank_hears_it_once(
     coordinator: InProcessCoordinator, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -146,6 +147,7 @@ def test_step_marks_name_a_stall_and_each_rank_hears_it_once(
     assert all(a.stalled is None for a in ranks)  # warn: nothing raised, nothing ended
 
 
+@pytest.mark.slow  # pauses past --stall-after
 def test_a_pause_on_purpose_is_told_at_once_and_is_no_stall(
     coordinator: InProcessCoordinator,
 ) -> None:
@@ -186,6 +188,7 @@ except CohortStalled as exc:
 """
 
 
+@pytest.mark.slow  # two processes that wait out --stall-after
 @pytest.mark.parametrize("coordinator", [{"policy": "stall=strict"}], indirect=True)
 def test_strict_ends_a_stuck_process_and_raises_in_one_that_reaches_its_next_mark(
     coordinator: InProcessCoordinator, tmp_path: Path
