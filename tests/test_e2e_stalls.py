@@ -25,7 +25,9 @@ from tests.helpers import (
     launch_env,
     log_events,
     two_node_args,
+    wait_until,
 )
+from tests.netfault import FaultProxy
 from tests.test_e2e_audits import audits_of, host_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -201,6 +203,48 @@ def test_a_pause_on_purpose_longer_than_the_bound_is_no_stall(tmp_path: Path) ->
     assert proc.returncode == 0, out
     assert out.count("trained 30 steps") == 4, out
     assert records == [] and "stalled" not in out, (records, out)
+
+
+def test_a_flapping_then_partitioned_link_to_the_coordinator_is_no_stall(tmp_path: Path) -> None:
+    """The ranks reach the coordinator through a proxy that, mid-training, resets every
+    connection every 0.7 s for 6 s, then drops everything for 8 s (past --stall-after 3 and
+    the 6 s after which a silent rank counts as gone), then heals. Under stall=strict the job
+    must train to its end: marks lost on the way are no stall, and a job nobody hears from is
+    not stalled but unheard."""
+    flags = ("--join-deadline", "60", "--stall-after", "3", "--policy", "stall=strict")
+    with (
+        coordinator_process(*flags, tmp=tmp_path) as (addr, _),
+        FaultProxy(addr) as proxy,
+    ):
+        env = launch_env(tmp_path, COHORTGATE_ADDR=proxy.addr, COHORTGATE_JOB="flaky-marks")
+        args = job_args("flaky-marks")
+        args[args.index("--steps") + 1] = "200"  # 40 s of steps
+        proc = launch(args, env, tmp_path)
+        try:
+            wait_until("the job formed", lambda: audits_status_has(tmp_path, "flaky-marks"), 90)
+            proxy.flap(0.7, 6.0).join()
+            proxy.blackhole()
+            time.sleep(8.0)
+            proxy.heal()
+            (out,) = finish([proc], timeout=200)
+        finally:
+            kill_group(proc)
+        records = audits_of(addr, "flaky-marks")
+    assert proxy.resets >= 5, proxy.resets  # the link did flap, mid-training
+    assert proc.returncode == 0, out
+    assert out.count("trained 200 steps") == 4, out
+    assert records == [], records
+
+
+def audits_status_has(tmp: Path, job: str) -> bool:
+    """The coordinator in `tmp` watches `job`'s steps (its /status.json "stalls")."""
+    import json
+    import urllib.request
+
+    (port_file,) = tmp.glob("port-*")
+    metrics_port = port_file.read_text().split()[1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/status.json") as answer:
+        return any(s["job_id"] == job for s in json.load(answer)["stalls"])
 
 
 def line_of(text: str) -> int:

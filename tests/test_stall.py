@@ -61,10 +61,10 @@ def keep_beating(c: CohortProgress, at: float, silent: tuple[int, ...] = ()) -> 
 def stall_of(
     c: CohortProgress, at: float, snapshots: dict[int, Snapshot], silent: tuple[int, ...] = ()
 ) -> tuple[str, str]:
-    """The ranks beat, unchanged, until `at`; sweep at `at` (the stall is found, snapshots
+    """The ranks beat, unchanged, at `at`; sweep at `at` (the stall is found, snapshots
     asked), answer with `snapshots` (each rank's beat carries its own), sweep again: the
     headline and report told."""
-    keep_beating(c, at - 1, silent)
+    keep_beating(c, at, silent)
     c.sweep(at)
     wanted = c.answer().snapshot_wanted
     assert wanted, "no stall found"
@@ -196,6 +196,7 @@ def test_auto_is_twenty_median_steps_and_at_least_a_minute(steps_s: float, bound
     keep_beating(c, t + bound - 1)
     c.sweep(t + bound - 0.5)
     assert not c.answer().snapshot_wanted
+    keep_beating(c, t + bound + 0.2)
     c.sweep(t + bound + 0.5)
     assert c.answer().snapshot_wanted
 
@@ -226,6 +227,7 @@ def test_the_end_of_a_pause_restarts_the_clock() -> None:
     keep_beating(c, t + 38)
     c.sweep(t + 39)
     assert not c.answer().snapshot_wanted
+    keep_beating(c, t + 40.2)
     c.sweep(t + 40.5)
     assert c.answer().snapshot_wanted
 
@@ -394,3 +396,29 @@ def test_stall_ids_start_where_the_coordinator_says() -> None:
     t = run_steps(c, 3, 1.0)
     stall_of(c, t + 11, dict.fromkeys(range(4), WAITING))
     assert c.answer().stall_id == 7_000
+
+
+def test_marks_that_stop_with_the_steps_are_no_stall() -> None:
+    """A link cut (or a job killed) as the steps stop: the last marks came before the bound
+    ran out, so nothing says the ranks are alive and not moving. Unheard is not stalled
+    (a partition of 8 s under --stall-after 3 was called a stall; under strict)."""
+    c = progress(after=3.0)
+    t = run_steps(c, 5, 0.2)
+    keep_beating(c, t + 2.0)  # then nothing
+    c.sweep(t + 3.5)  # the bound ran out; ranks still count as answering (6 s)
+    assert c.answer() == StallAnswer() and not c.new
+    keep_beating(c, t + 4.0)  # the link is back, the steps are not: a stall
+    c.sweep(t + 4.1)
+    assert c.answer().snapshot_wanted
+
+
+def test_a_stall_nobody_answers_is_not_reported() -> None:
+    """Asked, and every rank went quiet with the question (the link went): no report of
+    where nobody is; the stall is asked again once ranks beat again without progress."""
+    c = progress(after=3.0)
+    t = run_steps(c, 5, 0.2)
+    keep_beating(c, t + 3.2)
+    c.sweep(t + 3.5)
+    assert c.answer().snapshot_wanted
+    c.sweep(t + 3.5 + SNAPSHOT_WAIT_S)
+    assert not c.new and c.answer() == StallAnswer()

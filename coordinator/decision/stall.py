@@ -301,9 +301,13 @@ class CohortProgress:
             if (
                 bound is None
                 or now - self.last_progress < bound
+                # Ranks that still beat, past the bound, and show no new step: a stall. Marks
+                # that stopped coming with the steps (a cut link, a job that ended or was
+                # killed) say nothing about the job: unheard is not stalled.
+                or self.last_seen < self.last_progress + bound
+                or not self._answering(now)
                 or self.paused(now)
                 or any(r.done for r in self.ranks.values())
-                or not self._answering(now)  # nobody beats: the job ended or was killed
             ):
                 return
             self.stall = Stall(
@@ -316,6 +320,11 @@ class CohortProgress:
         answering = self._answering(now)
         waited = now - stall.asked_at >= SNAPSHOT_WAIT_S
         if not waited and not set(answering) <= set(stall.snapshots):
+            return
+        if not stall.snapshots:
+            # Asked, and nobody answered: the link went with the question. Not a report of
+            # where anyone is; asked again once ranks beat again without progress.
+            self.stall = None
             return
         stall.headline, stall.report = self.words(stall, now)
         stall.told = True
