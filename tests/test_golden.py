@@ -81,9 +81,10 @@ class _SlowTokenizer:
 
 
 def test_a_tokenizer_fingerprint_is_pinned() -> None:
+    """Format cohortgate.tokenizer.v1 (agent/identity.TOKENIZER_FORMAT, hashed in)."""
     from cohortgate import tokenizer_fingerprint
 
     tok = _SlowTokenizer({"<unk>": 0, "hello": 1, "world": 2}, {"<t>": 3})
     assert tokenizer_fingerprint(tok) == (
-        "sha256:02a0ee663794639f8ee6946f285a058e9e46ea737f6ffc86cefdf308ced3f97a"
+        "sha256:543f6a5141633b13f896928ce60664b7b5d2be216bb8d764a84a2cf9364e54e0"
     )

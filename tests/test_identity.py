@@ -171,6 +171,7 @@ def test_a_tokenizer_object_with_only_a_vocabulary_has_a_fingerprint() -> None:
     assert tokenizer_fingerprint(Bare()) == (
         "sha256:"
         + hashlib.sha256(
-            b'{"added":[],"class":"Bare","special":{},"vocab":[["a",0],["b",1]]}'
+            b'{"added":[],"class":"Bare","format":"cohortgate.tokenizer.v1","special":{},'
+            b'"vocab":[["a",0],["b",1]]}'
         ).hexdigest()
     )

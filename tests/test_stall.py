@@ -347,10 +347,15 @@ def test_a_stack_of_library_frames_only_names_its_innermost() -> None:
     code = compile(
         "def run(): return where(sys._getframe(), libraries=LIBS)\n", LIB + "pkg/loop.py", "exec"
     )
-    # every frame a library's (this test's own too): as a thread that only runs library code
+    # every frame a library's (this test's own too, under "/"), on a thread of its own: the
+    # main thread of an xdist worker starts in `python -c` code (<string>: the program's)
     lib: dict[str, object] = {"sys": sys, "where": stack.where, "LIBS": (LIB, "/")}
     exec(code, lib)
-    w = lib["run"]()  # type: ignore[operator]
+    got: list[stack.Where] = []
+    t = threading.Thread(target=lambda: got.append(lib["run"]()))  # type: ignore[operator]
+    t.start()
+    t.join()
+    (w,) = got
     assert (w.where, w.call, w.via) == ("pkg/loop.py:1 in run", "", "")
 
 
