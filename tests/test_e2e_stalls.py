@@ -120,6 +120,10 @@ def test_warn_names_the_stall_in_explain_while_the_job_still_hangs(tmp_path: Pat
     assert "rank 2 on" in out and f"in wait_for_batch ({TRAIN}:{wait_line()})" in out, out
     assert f"in backward ({TRAIN}:{backward_line()}, via Tensor.backward)" in out, out
     assert re.search(r"last steps: ranks 0-3 at step 5 \(\d+ s ago\)", out), out
+    # reported within 30 s of the stall's start (the acceptance's bound): the headline says
+    # how long it had lasted when it was found
+    headline = out[out.index("the stall (still going on): ") :].splitlines()[0]
+    assert stalled_for(headline) <= 30, headline
 
 
 def test_through_relays_a_stopped_rank_is_named_as_not_answering_with_its_host(
