@@ -127,8 +127,9 @@ class Stalls:
                 )
             if self.observer.history is not None:
                 self.observer.history.record_audit(_finding(e))
+        if c.new:  # a stall found or ended: the gauge changes (not a scan on every call)
+            self._count_stalled()
         c.new.clear()
-        m.stalled.set(sum(1 for x in self.cohorts.values() if x.stall and x.stall.told))
 
     # -- sweeping --------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -144,10 +145,18 @@ class Stalls:
             self.stragglers = {k: v for k, v in found.items() if v}
             self.observer.metrics.stragglers.set(sum(len(v) for v in found.values()))
 
+    def _count_stalled(self) -> None:
+        stalled = sum(1 for x in self.cohorts.values() if x.stall and x.stall.told)
+        self.observer.metrics.stalled.set(stalled)
+
     def _evict(self, now: float, idle_s: float) -> None:
-        for cohort_id in [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]:
+        gone = [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]
+        for cohort_id in gone:
             del self.cohorts[cohort_id]
-        self.observer.metrics.watched_cohorts.set(len(self.cohorts))
+        m = self.observer.metrics
+        m.watched_cohorts.set(len(self.cohorts))
+        if gone:
+            self._count_stalled()
 
     def close(self) -> None:
         self.sweeper.close()
