@@ -193,9 +193,10 @@ def decision_only(world: int, node: int, steps: int) -> dict[str, Any]:
     from cohortgate.coordinator.decision.formation import FormationOptions
     from cohortgate.coordinator.service.audits import Audits
     from cohortgate.coordinator.service.observers import Observer
+    from cohortgate.coordinator.state.backends import open_verdicts
 
     async def main() -> float:
-        audits = Audits(FormationOptions(), Observer(), time.monotonic)
+        audits = Audits(FormationOptions(), open_verdicts(None), Observer(), time.monotonic)
         batches = [
             [
                 RankAudit("d/1/x", "d", 1, r, world, f"node{r // node}", "i", s, _digest(s))

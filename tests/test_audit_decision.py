@@ -251,8 +251,9 @@ def test_the_status_lines_put_a_divergence_first_then_missing_ranks_then_the_lat
     from cohortgate.coordinator.decision.formation import FormationOptions
     from cohortgate.coordinator.service.audits import Audits
     from cohortgate.coordinator.service.observers import Observer
+    from cohortgate.coordinator.state.backends import open_verdicts
 
-    audits = Audits(FormationOptions(), Observer(), clock=lambda: 0.0)
+    audits = Audits(FormationOptions(), open_verdicts(None), Observer(), clock=lambda: 0.0)
     quiet, diverged, missing, recent = cohort(), cohort(), cohort(), cohort()
     for name, c, seen in [("quiet", quiet, 1.0), ("diverged", diverged, 0.5)]:
         c.cohort_id, c.job_id, c.last_seen = f"{name}/1/x", name, seen

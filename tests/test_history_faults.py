@@ -95,8 +95,7 @@ def test_a_locked_history_changes_no_verdict_and_is_written_once_released(
             assert reply.read().decode().startswith("degraded: history: database is locked")
         assert _metric(c.metrics_url, "cohortgate_history_degraded") == 1
         locker.execute("ROLLBACK")
-        history = c.running.coordinator.observer.history
-        assert history is not None
+        history = c.running.coordinator.history
         _wait_for(lambda: history.spooled == 0, "the spooled verdicts were never written", 40)
         _wait_for(lambda: _health(c.addr, "cohortgate.history") == 1, "health never recovered")
         assert history.flush(10), "gated, but their rows were never filed"

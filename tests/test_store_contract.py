@@ -46,6 +46,7 @@ from cohortgate.coordinator.state.base import (
 from cohortgate.coordinator.state.etcd_history import EtcdHistory
 from cohortgate.coordinator.state.history import History
 from cohortgate.coordinator.state.memory import MemoryStore
+from cohortgate.coordinator.state.memory_history import Kept, MemoryHistory
 from tests.etcd import EtcdServer
 from tests.etcd import prefix as etcd_prefix
 from tests.helpers import decide_in, manifest_of
@@ -88,9 +89,17 @@ def _etcd_opener(tmp: Path, request: pytest.FixtureRequest) -> VerdictOpener:
     return opener
 
 
+def _memory_opener(tmp: Path, request: pytest.FixtureRequest) -> VerdictOpener:
+    """A MemoryHistory (--history off) over what the test's process keeps: a second one
+    is the store reopened (the same process), as a file outlives a History."""
+    kept = Kept()
+    return lambda: MemoryHistory(kept=kept)
+
+
 VERDICT_BACKENDS: dict[str, Callable[[Path, pytest.FixtureRequest], VerdictOpener]] = {
     "sqlite": lambda tmp, _: functools.partial(History, tmp / "history.sqlite"),
     "etcd": _etcd_opener,
+    "memory": _memory_opener,
 }
 # A cohort backend: given a clock and the verdict store's last round, a store.
 COHORT_BACKENDS: dict[str, Callable[[Callable[[], float], Callable[[str], int]], CohortStore]] = {

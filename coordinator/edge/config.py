@@ -118,7 +118,8 @@ class ServeConfig(BaseModel):
         description="HTTP address for /metrics, /status and /status.json; 'off' disables",
     )
     history: str = Field(
-        DEFAULT_HISTORY, description="SQLite file of past verdicts; 'off' keeps none"
+        DEFAULT_HISTORY,
+        description="SQLite file of past verdicts; 'off' keeps them in memory only (lost at exit)",
     )
     history_retention_days: float = Field(30.0, gt=0, description="days a verdict is kept")
     job_retention: float = Field(

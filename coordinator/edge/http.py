@@ -24,12 +24,10 @@ REFRESH_S = 2
 def snapshot(coordinator: Coordinator, recent: int = 20) -> dict[str, Any]:
     """Everything the page shows, as JSON-ready data (runs on the coordinator's loop)."""
     summaries = coordinator.summaries()
-    history = coordinator.observer.history
-    problem = coordinator.observer.history_problem()
+    problem = coordinator.history_problem()
     verdicts = None
-    if history is not None:
-        with contextlib.suppress(Unavailable):  # an unreadable file: the live verdicts
-            verdicts = _stored(history.recent(recent))
+    with contextlib.suppress(Unavailable):  # an unreadable file: the live verdicts
+        verdicts = _stored(coordinator.history.recent(recent))
     if verdicts is None:
         verdicts = [
             {
@@ -266,7 +264,7 @@ class MetricsServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST, **_NO_STORE})
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        problem = self.coordinator.observer.history_problem()
+        problem = self.coordinator.history_problem()
         return _text(200, f"degraded: history: {problem}\n" if problem else "ok\n")
 
 

@@ -28,7 +28,6 @@ from cohortgate.coordinator.service.core import Coordinator
 from cohortgate.coordinator.service.metrics import Metrics
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.state.backends import open_verdicts
-from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 
@@ -75,9 +74,7 @@ class RunningServer:
         if self.replica is not None:
             await asyncio.to_thread(self.replica.close)
             return
-        history = self.coordinator.observer.history
-        if history is not None:
-            history.close()
+        self.coordinator.history.close()
 
 
 def _auth(config: ServeConfig) -> Auth:
@@ -160,9 +157,8 @@ async def start(config: ServeConfig, coordinator: Coordinator | None = None) -> 
         replica.start(coordinator, health, SERVICE_NAME, advertise)
         running.replica = replica
     running.tasks.append(asyncio.create_task(_sweep(coordinator, config.job_retention)))
-    if coordinator.observer.history is not None:
-        await health.set(HISTORY_HEALTH, health_pb2.HealthCheckResponse.SERVING)
-        running.tasks.append(asyncio.create_task(_watch_history(coordinator, health)))
+    await health.set(HISTORY_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+    running.tasks.append(asyncio.create_task(_watch_history(coordinator, health)))
     missing = unprotected(config.tls_cert is not None, auth.enabled)
     if config.exposed and missing:
         log.warning(
@@ -204,13 +200,10 @@ def _coordinator(config: ServeConfig) -> tuple[Coordinator, Replica | None]:
             retention_days=config.history_retention_days,
             metrics=metrics,
         )
-        history: VerdictStore | None = replica.history
+        history = replica.history
     else:
-        path = config.history_path
-        history = (
-            open_verdicts(path, retention_days=config.history_retention_days) if path else None
-        )
-    observer = Observer(metrics, history=history)
+        history = open_verdicts(config.history_path, retention_days=config.history_retention_days)
+    observer = Observer(metrics)
     if replica is not None:
         observer.replica = replica.snapshot
     coordinator = Coordinator(
@@ -218,6 +211,7 @@ def _coordinator(config: ServeConfig) -> tuple[Coordinator, Replica | None]:
         progress_interval_s=config.progress_interval,
         watch_interval_s=config.watch_interval,
         observer=observer,
+        history=history,
         limits=config.limits,
     )
     return coordinator, replica
@@ -237,7 +231,7 @@ async def _watch_history(coordinator: Coordinator, health: HealthServicer) -> No
     coordinator itself stays SERVING: verdicts do not depend on the record)."""
     was = ""
     while True:
-        problem = coordinator.observer.history_problem()
+        problem = coordinator.history_problem()
         if problem != was:
             status = health_pb2.HealthCheckResponse
             await health.set(HISTORY_HEALTH, status.NOT_SERVING if problem else status.SERVING)

@@ -480,10 +480,8 @@ class StatusServicer(pb_grpc.StatusServiceServicer):
         self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerdictRecord:
         job_id, _ = await self._scope(context, "GetVerdict", request.job_id)
-        history = self.coordinator.observer.history
+        history = self.coordinator.history
         async with answering(self.coordinator, context, "GetVerdict", job_id):
-            if history is None:
-                raise FailedPrecondition("this coordinator keeps no history (--history is off)")
             row = history.get(job_id, request.round) if job_id else None
             if row is None:
                 what = f"round {request.round} of job" if request.round else "job"

@@ -18,7 +18,13 @@ from cohortgate.coordinator.service.calls import Calls
 from cohortgate.coordinator.service.events import JoinEvent, Progress, UploadAsk
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.state.asks import UploadRef
-from cohortgate.coordinator.state.base import CohortStore, JoinIntent, JoinResult, LiveCohort
+from cohortgate.coordinator.state.base import (
+    CohortStore,
+    JoinIntent,
+    JoinResult,
+    LiveCohort,
+    VerdictStore,
+)
 
 log = structlog.get_logger("cohortgate")
 
@@ -42,6 +48,7 @@ class Admission:
     def __init__(
         self,
         store: CohortStore,
+        history: VerdictStore,
         options: FormationOptions,
         observer: Observer,
         clock: Callable[[], float],
@@ -53,7 +60,8 @@ class Admission:
         recording: Callable[[LiveCohort], bool],
         changed: Callable[[LiveCohort], None],
     ) -> None:
-        self.store, self.options, self.observer, self.clock = store, options, observer, clock
+        self.store, self.history, self.options = store, history, options
+        self.observer, self.clock = observer, clock
         self.calls, self.book = calls, book
         self.progress_interval_s = progress_interval_s
         self._evaluate, self._recording, self._changed = evaluate, recording, changed
@@ -124,10 +132,9 @@ class Admission:
     def _replayed_from_history(self, first: JoinIntent) -> Verdict | None:
         """After a restart (or once the job left memory): a rank of a decided cohort that
         re-joins with its incarnation gets that verdict back, not a new round."""
-        history = self.observer.history
-        if history is None or self.store.holds(first.job_id):
+        if self.store.holds(first.job_id):
             return None
-        stored = history.verdict_of(first.job_id, first.member.incarnation)
+        stored = self.history.verdict_of(first.job_id, first.member.incarnation)
         if stored is not None:
             log.info("verdict replayed from history", job=first.job_id)
         return stored

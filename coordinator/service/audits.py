@@ -24,6 +24,7 @@ from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.verdict import Level
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.service.sweeper import Sweeper
+from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 
@@ -40,11 +41,12 @@ class Audits:
     def __init__(
         self,
         options: FormationOptions,
+        history: VerdictStore,
         observer: Observer,
         clock: Callable[[], float],
         formed: Formed | None = None,
     ) -> None:
-        self.options, self.observer, self.clock = options, observer, clock
+        self.options, self.history, self.observer, self.clock = options, history, observer, clock
         self.formed: Formed = formed or (lambda job_id, round_: None)
         self.cohorts: dict[str, CohortAudits] = {}
         self.sweeper = Sweeper("audit", SWEEP_S, self.sweep, lambda: bool(self.cohorts))
@@ -105,11 +107,8 @@ class Audits:
 
     def _restore(self, c: CohortAudits) -> None:
         """What the history holds of this cohort (a coordinator restarted, or a failover)."""
-        history = self.observer.history
-        if history is None:
-            return
         try:
-            found = history.audits(c.job_id)
+            found = self.history.audits(c.job_id)
         except CoordinatorError as exc:
             log.warning("audit findings could not be read; not restored", error=str(exc))
             return
@@ -138,8 +137,7 @@ class Audits:
             else:
                 m.audit_missing.inc()
                 log.warning("audits missing", job=f.job_id[:64], step=f.step, headline=f.headline)
-            if self.observer.history is not None:
-                self.observer.history.record_audit(f)
+            self.history.record_audit(f)
         c.new.clear()
 
     # -- sweeping --------------------------------------------------------------------------
@@ -160,11 +158,8 @@ class Audits:
 
     # -- reading ---------------------------------------------------------------------------
     def findings(self, job_id: str) -> list[AuditFinding]:
-        """The job's findings, oldest first: from the history, or from memory without one."""
-        if self.observer.history is not None:
-            return self.observer.history.audits(job_id)
-        held = [f for c in self.cohorts.values() if c.job_id == job_id for f in c.findings]
-        return sorted(held, key=lambda f: f.at)
+        """The job's findings, oldest first, from the history."""
+        return self.history.audits(job_id)
 
     def status(self, shown: int = 100) -> list[dict[str, object]]:
         """One line per audited cohort, for /status.json and the status page: those with a

@@ -39,15 +39,16 @@ from cohortgate.coordinator.service.status import CohortSummary, summarize
 from cohortgate.coordinator.service.uploads import Uploads
 from cohortgate.coordinator.service.watchers import WatchHub
 from cohortgate.coordinator.state.asks import UploadRef
-from cohortgate.coordinator.state.backends import open_cohorts
-from cohortgate.coordinator.state.base import CohortStore, JoinIntent, LiveCohort
+from cohortgate.coordinator.state.backends import open_cohorts, open_verdicts
+from cohortgate.coordinator.state.base import CohortStore, JoinIntent, LiveCohort, VerdictStore
 
 # Listings of up to this many cohorts are exact; larger ones may be 0.25 s stale.
 LISTING_EXACT_UP_TO = 64
 
 
 class Coordinator:
-    """Joins, uploads and status over a `CohortStore` (memory by default)."""
+    """Joins, uploads and status over a `CohortStore` (memory by default) and a
+    `VerdictStore` (`history`: memory by default)."""
 
     def __init__(
         self,
@@ -58,21 +59,24 @@ class Coordinator:
         observer: Observer | None = None,
         limits: Limits | None = None,
         store: CohortStore | None = None,
+        history: VerdictStore | None = None,
         offload_above: int = OFFLOAD_ABOVE,
         watch_interval_s: float = 0.5,
     ) -> None:
         self.options = options or FormationOptions()
         self.observer = observer or Observer()
         self.limits = limits or Limits()
-        history = self.observer.history
-        self.store = store or open_cohorts(clock, history, self.limits)
+        self.history = history or open_verdicts(None)
+        self.history.listeners.append(self.observer.history_failed)
+        self.store = store or open_cohorts(clock, self.history, self.limits)
         self.clock = clock
         self.book = Book(clock)
         self.calls = Calls()
         self.watchers = WatchHub(self._summaries_of, self.limits, watch_interval_s)
-        self.delivery = Delivery(self.observer, self.book, self.calls, self._changed)
+        self.delivery = Delivery(self.history, self.observer, self.book, self.calls, self._changed)
         self.admission = Admission(
             self.store,
+            self.history,
             self.options,
             self.observer,
             clock,
@@ -95,8 +99,8 @@ class Coordinator:
             offload_above=offload_above,
         )
         self.uploads = Uploads(self.store, self.observer, self.evaluate)
-        self.audits = Audits(self.options, self.observer, clock, self._formed)
-        self.stalls = Stalls(self.options, self.observer, clock, self._formed)
+        self.audits = Audits(self.options, self.history, self.observer, clock, self._formed)
+        self.stalls = Stalls(self.options, self.history, self.observer, clock, self._formed)
         # A large listing (status page, ListCohorts) is summarised at most this often:
         # a client polling in a loop must not cost the loop O(cohorts) per call.
         self._listing: dict[str, tuple[float, int, list[CohortSummary]]] = {}
@@ -190,6 +194,12 @@ class Coordinator:
         return live.verdict.cohort_id, {r: m.host for r, m in live.state.members.items()}
 
     # -- status --------------------------------------------------------------------------
+    def history_problem(self) -> str:
+        """Why the verdict history is degraded ("" when it is not); updates its gauges."""
+        problem = self.history.problem
+        self.observer.history_state(problem, self.history.spooled)
+        return problem
+
     def cohorts(self, job_id: str = "") -> list[LiveCohort]:
         """Every cohort held (waiting and recently decided), optionally of one job."""
         return self.store.cohorts(job_id)

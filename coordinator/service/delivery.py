@@ -15,7 +15,7 @@ import structlog
 from cohortgate.coordinator.service.book import Book
 from cohortgate.coordinator.service.calls import Calls
 from cohortgate.coordinator.service.observers import Observer
-from cohortgate.coordinator.state.base import LiveCohort
+from cohortgate.coordinator.state.base import LiveCohort, VerdictRow, VerdictStore
 
 log = structlog.get_logger("cohortgate")
 
@@ -28,9 +28,15 @@ RECORD_WAIT_S = 1.0
 
 class Delivery:
     def __init__(
-        self, observer: Observer, book: Book, calls: Calls, changed: Callable[[LiveCohort], None]
+        self,
+        history: VerdictStore,
+        observer: Observer,
+        book: Book,
+        calls: Calls,
+        changed: Callable[[LiveCohort], None],
     ) -> None:
-        self.observer, self.book, self.calls, self._changed = observer, book, calls, changed
+        self.history, self.observer, self.book = history, observer, book
+        self.calls, self._changed = calls, changed
         # A verdict waited RECORD_WAIT_S for the history in vain, and none was stored since:
         # the next verdicts are sent without waiting.
         self._history_late = False
@@ -48,26 +54,28 @@ class Delivery:
             cause=verdict.cause.value if verdict.cause else None,
             warnings=verdict.warnings,
         )
-        history = self.observer.history
-        fenced = history is not None and history.fenced
-        if history is None or (not fenced and (history.problem or self._history_late)):
+        self.observer.decided(cohort)
+        history = self.history
+        members = {m.rank: m.incarnation for m in cohort.state.members.values()}
+        row = VerdictRow.of(verdict, members)
+        if not history.fenced and (history.problem or self._history_late):
             # A degraded history, or one already late: not waited for (again). A fenced
             # one (etcd) always is: not stored, not sent.
-            self.observer.decided(cohort)
+            history.record(row)
             self.deliver(cohort)
         else:
             tracked = self.book.of(cohort)
             tracked.cancel()  # a decided cohort has no recheck or asks left
             tracked.recording = True
             loop = asyncio.get_running_loop()
-            if not fenced:
-                self.book.arm(cohort, "record", self.book.clock() + RECORD_WAIT_S, self._unrecorded)
 
-            def written() -> None:  # on the history's writer thread
+            def written() -> None:  # on the history's writer thread (or in `record`)
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
                     loop.call_soon_threadsafe(self._stored, cohort)
 
-            self.observer.decided(cohort, written)
+            if not history.fenced:
+                self.book.arm(cohort, "record", self.book.clock() + RECORD_WAIT_S, self._unrecorded)
+            history.record(row, written)
         self._changed(cohort)
 
     def recording(self, cohort: LiveCohort) -> bool:

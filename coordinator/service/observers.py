@@ -1,35 +1,28 @@
-"""What the coordinator tells the outside world as cohorts change: metrics and history."""
+"""What the coordinator tells the outside world as cohorts change: metrics. It only observes:
+the verdict history is the service's (`Coordinator.history`), never reached through here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from cohortgate.coordinator.service.metrics import Metrics
-from cohortgate.coordinator.state.base import LiveCohort, VerdictRow, VerdictStore
+from cohortgate.coordinator.state.base import LiveCohort
 
 
 class Observer:
-    """Metrics and history bookkeeping, called by the service at each event."""
+    """Metrics, called by the service at each event."""
 
-    def __init__(self, metrics: Metrics | None = None, history: VerdictStore | None = None) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics or Metrics()
-        self.history = history
         # This replica's role and leader, for status (set where replicas run on etcd).
         self.replica: Callable[[], dict[str, str]] | None = None
-        if history is not None:
-            history.listeners.append(self._history_failed)
 
-    def _history_failed(self, operation: str, _: Exception) -> None:
+    def history_failed(self, operation: str, _: Exception) -> None:
         self.metrics.history_errors.labels(operation).inc()
 
-    def history_problem(self) -> str:
-        """Why the history is degraded ("" when it is not); updates its gauges."""
-        if self.history is None:
-            return ""
-        problem = self.history.problem
+    def history_state(self, problem: str, spooled: int) -> None:
         self.metrics.history_degraded.set(1 if problem else 0)
-        self.metrics.history_spooled.set(self.history.spooled)
-        return problem
+        self.metrics.history_spooled.set(spooled)
 
     def joined(self, waiting: int, opened: bool, intruders: int = 0) -> None:
         """One call's joins: `waiting` ranks now wait (a new cohort if `opened`); intruders
@@ -53,9 +46,8 @@ class Observer:
         self.metrics.manifest_uploads.labels("accepted" if accepted else "rejected").inc()
         self.metrics.manifest_bytes.inc(size)
 
-    def decided(self, cohort: LiveCohort, written: Callable[[], None] | None = None) -> None:
-        """Count the verdict and queue it for the history; `written` is called (from the
-        writer thread) once it is stored."""
+    def decided(self, cohort: LiveCohort) -> None:
+        """Count the verdict."""
         verdict = cohort.verdict
         assert verdict is not None
         m = self.metrics
@@ -73,9 +65,6 @@ class Observer:
             m.findings.labels(finding.check, finding.level).inc()
         m.cohorts_waiting.dec()
         m.ranks_waiting.dec(len(cohort.state.members))
-        if self.history is not None:
-            members = {m.rank: m.incarnation for m in cohort.state.members.values()}
-            self.history.record(VerdictRow.of(verdict, members), written)
 
     def rpc_error(self, method: str, code: str) -> None:
         self.metrics.rpc_errors.labels(method, code).inc()

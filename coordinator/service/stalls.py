@@ -26,6 +26,7 @@ from cohortgate.coordinator.decision.stall import (
 )
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.service.sweeper import Sweeper
+from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 
@@ -45,12 +46,14 @@ class Stalls:
     def __init__(
         self,
         options: FormationOptions,
+        history: VerdictStore,
         observer: Observer,
         clock: Callable[[], float],
         formed: Formed | None = None,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self.options, self.observer, self.clock, self.wall = options, observer, clock, wall
+        self.options, self.history, self.observer = options, history, observer
+        self.clock, self.wall = clock, wall
         self.formed: Formed = formed or (lambda job_id, round_: None)
         self.cohorts: dict[str, CohortProgress] = {}
         self.stragglers: dict[str, list[Straggler]] = {}  # by cohort id, as last found
@@ -125,8 +128,7 @@ class Stalls:
                     step=e.step,
                     stalled_s=round(e.stalled_s, 1),
                 )
-            if self.observer.history is not None:
-                self.observer.history.record_audit(_finding(e))
+            self.history.record_audit(_finding(e))
         if c.new:  # a stall found or ended: the gauge changes (not a scan on every call)
             self._count_stalled()
         c.new.clear()

@@ -1,8 +1,8 @@
 """Which backend holds what: every caller opens its stores here, never a backend module.
 
-Cohorts in memory (`MemoryStore`); verdicts in SQLite (`History`, a file path), or in etcd
-for active/standby replicas (`EtcdHistory`, serve --etcd). Every verdict backend passes
-tests/test_store_contract.py.
+Cohorts in memory (`MemoryStore`); verdicts in SQLite (`History`, a file path), in etcd
+for active/standby replicas (`EtcdHistory`, serve --etcd), or in memory (`MemoryHistory`,
+--history off). Every verdict backend passes tests/test_store_contract.py.
 """
 
 from __future__ import annotations
@@ -18,24 +18,26 @@ if TYPE_CHECKING:
 
 
 def open_verdicts(
-    spec: str, *, retention_days: float = 30.0, readonly: bool = False
+    spec: str | None, *, retention_days: float = 30.0, readonly: bool = False
 ) -> VerdictStore:
-    """The verdict store `spec` names (a SQLite file path). Raises OSError with one line
-    to print when it cannot be used."""
+    """The verdict store `spec` names (a SQLite file path; None: this process's memory).
+    Raises OSError with one line to print when it cannot be used."""
+    if spec is None:
+        from cohortgate.coordinator.state.memory_history import MemoryHistory
+
+        return MemoryHistory(retention_days)
     from cohortgate.coordinator.state.history import History
 
     return History(spec, retention_days, readonly=readonly)
 
 
 def open_cohorts(
-    clock: Callable[[], float],
-    verdicts: VerdictStore | None,
-    limits: Limits | None = None,
+    clock: Callable[[], float], verdicts: VerdictStore, limits: Limits | None = None
 ) -> CohortStore:
     """Live cohorts, in the leading coordinator's memory; rounds continue from `verdicts`."""
     from cohortgate.coordinator.state.memory import MemoryStore
 
-    return MemoryStore(clock, verdicts.last_round if verdicts is not None else lambda _: 0, limits)
+    return MemoryStore(clock, verdicts.last_round, limits)
 
 
 def open_etcd_verdicts(
