@@ -348,7 +348,7 @@ def mutation_scope() -> str:
     import tomllib
 
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
-    code = ", ".join(f"`{p}`" for p in config["paths_to_mutate"])
+    code = ", ".join(f"`{p}`" for p in config["source_paths"])
     tests = ", ".join(f"`{Path(t).name}`" for t in config["pytest_add_cli_args_test_selection"])
     n = len(config["pytest_add_cli_args_test_selection"])
     return f"- mutated: {code}\n- against the {n} test files: {tests}\n"

@@ -335,7 +335,9 @@ def test_every_flag_is_the_one_it_was_and_names_its_variable_and_default(
 
 
 def test_a_variable_sets_what_its_flag_sets_and_the_flag_wins() -> None:
-    from cohortgate.coordinator.edge.config import RelayConfig, ServeConfig, from_env_and_flags
+    from cohortgate.coordinator.edge.config import ServeConfig
+    from cohortgate.coordinator.edge.relay_config import RelayConfig
+    from cohortgate.coordinator.edge.settings import from_env_and_flags
 
     env = {f"COHORTGATE_{f.upper().replace('-', '_')}": "" for f in SERVE_FLAGS}
     env |= {"COHORTGATE_JOIN_DEADLINE": "120", "COHORTGATE_POLICY": "code=strict"}
@@ -355,7 +357,8 @@ def test_a_variable_sets_what_its_flag_sets_and_the_flag_wins() -> None:
 def test_the_relays_server_tls_is_never_the_clients_certificate(pki: Path) -> None:
     """COHORTGATE_TLS_CERT/_KEY are a client's certificate (the relay's upstream, an
     agent's): the relay's own port reads COHORTGATE_RELAY_TLS_* only."""
-    from cohortgate.coordinator.edge.config import RelayConfig, from_env_and_flags
+    from cohortgate.coordinator.edge.relay_config import RelayConfig
+    from cohortgate.coordinator.edge.settings import from_env_and_flags
 
     client = {"COHORTGATE_TLS_CERT": str(pki / "client.pem"), "COHORTGATE_TLS_KEY": "x"}
     relay = from_env_and_flags(RelayConfig, {"upstream": "127.0.0.1:1"}, client)
@@ -384,7 +387,9 @@ def test_the_cli_checks_an_address_as_the_agent_does(where: str, addr: str) -> N
     run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, run.stderr
     (line,) = run.stderr.strip().splitlines()
-    assert line.startswith(f"cohortgate status: {where}=") and "is not HOST:PORT" in line, line
+    said = f"${where}={addr!r}: " if where.startswith("COHORTGATE") else f"{where}: "
+    assert line.startswith(f"cohortgate status: {said}"), line
+    assert "is not HOST:PORT" in line or "empty" in line, line
 
 
 def test_the_servers_tls_has_its_own_variables_and_the_old_ones_still_work_with_a_warning(
@@ -393,7 +398,8 @@ def test_the_servers_tls_has_its_own_variables_and_the_old_ones_still_work_with_
     """Issue 38: COHORTGATE_TLS_CERT/_KEY meant the server's certificate for `serve` and a
     client's for everything else. `serve` reads COHORTGATE_SERVE_TLS_*; the old names for
     one release, saying the new one; the new name wins where both are set."""
-    from cohortgate.coordinator.edge.config import ServeConfig, from_env_and_flags
+    from cohortgate.coordinator.edge.config import ServeConfig
+    from cohortgate.coordinator.edge.settings import from_env_and_flags
 
     cert, key = str(pki / "server.pem"), str(pki / "server.key")
     said: list[str] = []

@@ -1,5 +1,7 @@
-"""Flags generated from a settings model (edge/config.py): one flag per field, its help the
-field's description with its default and variable, its type the field's."""
+"""Flags generated from a settings model (edge/config.py, edge/relay_config.py,
+cli/ops_settings.py): one flag per field, its help the field's description with its default
+and variable, its type the field's. A field marked `POSITIONAL` is an argument instead (a
+job id, a round), with no variable."""
 
 from __future__ import annotations
 
@@ -10,11 +12,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from cohortgate.coordinator.edge.config import env_var
+from cohortgate.coordinator.edge.settings import env_var
 
 
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag_of(name: str, model: type[BaseModel] | None = None) -> str:
+    """`--field-name`, or the flag the field names (`json_out`: `--json`)."""
+    field = model.model_fields.get(name) if model is not None else None
+    extra = field.json_schema_extra if field is not None else None
+    extra = extra if isinstance(extra, dict) else {}
+    if extra.get("positional"):
+        return name.upper()
+    return "--" + str(extra.get("flag") or name).replace("_", "-")
 
 
 def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
@@ -22,6 +30,15 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
     the field's default, apply unless the flag is given."""
     for name, field in model.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("positional"):
+            parser.add_argument(
+                name,
+                nargs=None if field.is_required() else "?",
+                type=int if field.annotation is int else str,
+                default=None,
+                help=field.description,
+            )
+            continue
         var = env_var(model, name)
         if field.is_required():
             said = f"required; ${var}"
@@ -45,7 +62,7 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
             metavar = {Path: "PATH", int: "N", float: "N"}.get(kind)
             if metavar is not None:
                 kwargs["metavar"] = metavar
-        parser.add_argument(flag_of(name), **kwargs)
+        parser.add_argument(flag_of(name, model), dest=name, **kwargs)
 
 
 def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:

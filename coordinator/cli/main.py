@@ -14,13 +14,9 @@ from cohortgate.coordinator.cli import ops as ops_cli
 from cohortgate.coordinator.cli.flags import add_flags, flag_of, given
 from cohortgate.coordinator.cli.run import cmd_run
 from cohortgate.coordinator.contract.settings import SettingError
-from cohortgate.coordinator.edge.config import (
-    RelayConfig,
-    ServeConfig,
-    Settings,
-    env_var,
-    from_env_and_flags,
-)
+from cohortgate.coordinator.edge.config import ServeConfig
+from cohortgate.coordinator.edge.relay_config import RelayConfig
+from cohortgate.coordinator.edge.settings import Settings, env_var, from_env_and_flags
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,7 +59,7 @@ def _settings(command: str, model: type[Settings], args: argparse.Namespace) -> 
             names = [env_var(model, loc), env_var(model, loc, old=True)] if known else []
             said = [v for v in names if v]
             var = next((v for v in said if os.environ.get(v)), said[0] if said else "")
-            where = f"{flag_of(loc)}: " if loc else ""  # "": a check of several fields
+            where = f"{flag_of(loc, model)}: " if loc else ""  # "": a check of several fields
             if loc and loc not in flags and os.environ.get(var):
                 where = f"${var}={os.environ[var]!r}: "
             message = str(error["msg"]).removeprefix("Value error, ")
@@ -75,7 +71,9 @@ def _settings(command: str, model: type[Settings], args: argparse.Namespace) -> 
     return None
 
 
-def _serving(command: str, model: type[Settings], args: argparse.Namespace) -> int:
+def _serving(
+    command: str, model: type[ServeConfig] | type[RelayConfig], args: argparse.Namespace
+) -> int:
     """Read the command's settings, then serve until a signal: 0; 2 for bad settings (or
     a bad tokens file, read once before anything listens); 1 when a port cannot be had."""
     from cohortgate.coordinator.cli import logs
@@ -146,7 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serving("serve", ServeConfig, args)
         if args.command == "relay":
             return _serving("relay", RelayConfig, args)
-        return int(args.func(args))
+        settings = _settings(args.command, args.model, args)
+        if settings is None:
+            return 2
+        return int(args.func(settings))
     except SettingError as exc:  # a COHORTGATE_* variable a client reads (token, TLS files)
         print(f"cohortgate {argv[0] if argv else ''}: {exc}", file=sys.stderr)
         return 2
