@@ -146,3 +146,21 @@ def test_an_upload_ask_is_answered_once_across_polls(coord: InProcessCoordinator
         last = run_rank(coord.addr, join_request("ask", 2, 3, m), m)
         assert last.verdict is not None
         assert next_answer.result(timeout=30).verdict.cohort_id == last.verdict.cohort_id
+
+
+def test_a_cohort_completed_between_two_polls_forms_with_the_lingering_members(
+    coord: InProcessCoordinator,
+) -> None:
+    """Members between two polls are alive (held for the next call), not calls that ended:
+    the rank that completes the cohort gets its verdict at once, with them in it, and their
+    next poll gets the same one (not a wait until they poll again, nor a cohort without
+    them)."""
+    m = manifest_of()
+    members = [join_request("between", r, 3, m) for r in (0, 1)]
+    (first,) = polls(coord.addr, members, m, again=False)
+    assert first.WhichOneof("event") in ("progress", "manifest_request")
+    last = run_rank(coord.addr, join_request("between", 2, 3, m), m, timeout=JOIN_POLL_LINGER_S - 2)
+    assert last.verdict is not None and last.verdict.outcome == FORMED, last.error
+    rest = polls(coord.addr, members, m)
+    assert rest[-1].verdict.cohort_id == last.verdict.cohort_id
+    assert rest[-1].verdict.world_size == 3

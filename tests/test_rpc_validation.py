@@ -1,0 +1,121 @@
+"""Requests validated at the edge (edge/rpc.py), each bound at its limit and one past it,
+with the error the caller reads: its status (the exception type) and what it names. Found by
+mutation: the code files' validation, the digests' count and a group's fingerprints had no
+test that a changed bound, message or cache key would fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec.wire import MAX_JOB_ID
+from cohortgate.coordinator.contract.digests import MAX_FILE_PATH, MAX_FILES
+from cohortgate.coordinator.contract.errors import CoordinatorError, InvalidArgument, LimitExceeded
+from cohortgate.coordinator.contract.limits import Limits
+from cohortgate.coordinator.edge import rpc
+from tests.helpers import join_request, manifest_of
+
+pytestmark = pytest.mark.timeout(30)
+
+DIGEST = bytes(range(32))
+
+
+def files(n: int = 2, **fields: object) -> pb.UploadFilesRequest:
+    base: dict[str, object] = {
+        "job_id": "j",
+        "round": 3,
+        "rank": 5,
+        "incarnation": "inc",
+        "paths": [f"train/m{i}.py" for i in range(n)],
+        "digests": [DIGEST] * n,
+    }
+    return pb.UploadFilesRequest(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_code_files_at_their_bounds_are_taken_whole() -> None:
+    ref, got = rpc.files_of(files(MAX_FILES, incarnation="i" * 128, job_id="j" * MAX_JOB_ID))
+    assert (ref.job_id, ref.round, ref.rank, ref.incarnation) == ("j" * MAX_JOB_ID, 3, 5, "i" * 128)
+    assert len(got) == MAX_FILES and got[0] == ("train/m0.py", DIGEST)
+    long_path = "p" * MAX_FILE_PATH
+    assert rpc.files_of(files(1, paths=[long_path]))[1] == [(long_path, DIGEST)]
+
+
+@pytest.mark.parametrize(
+    ("request_", "error", "says"),
+    [
+        (
+            files(MAX_FILES + 1),
+            LimitExceeded,
+            f"{MAX_FILES + 1} code files; the limit is {MAX_FILES}",
+        ),
+        (files(2, digests=[DIGEST]), InvalidArgument, "2 paths for 1 digests"),
+        (
+            files(1, paths=["p" * (MAX_FILE_PATH + 1)]),
+            InvalidArgument,
+            f"paths is {MAX_FILE_PATH + 1} characters long; the limit is {MAX_FILE_PATH}",
+        ),
+        (files(1, paths=[""]), InvalidArgument, "paths is empty; it is required"),
+        (files(1, digests=[DIGEST[:31]]), InvalidArgument, "digests is 31 bytes; a SHA-256"),
+        (
+            files(2, paths=["a.py", "a.py"]),
+            InvalidArgument,
+            "a path is named twice in the code files",
+        ),
+        (files(job_id=""), InvalidArgument, "job_id is empty; it is required"),
+        (
+            files(job_id="j" * (MAX_JOB_ID + 1)),
+            InvalidArgument,
+            f"job_id is {MAX_JOB_ID + 1} characters long; the limit is {MAX_JOB_ID}",
+        ),
+        (files(incarnation=""), InvalidArgument, "incarnation is empty; it is required"),
+        (
+            files(incarnation="i" * 129),
+            InvalidArgument,
+            "incarnation is 129 characters long; the limit is 128",
+        ),
+    ],
+)
+def test_code_files_past_a_bound_are_refused_naming_it(
+    request_: pb.UploadFilesRequest, error: type[CoordinatorError], says: str
+) -> None:
+    with pytest.raises(error) as raised:
+        rpc.files_of(request_)
+    assert type(raised.value) is error and says in str(raised.value), str(raised.value)
+
+
+def test_digests_are_taken_up_to_the_manifest_entry_limit_and_refused_past_it() -> None:
+    limits = Limits(max_manifest_entries=3)
+
+    def upload(n: int) -> bytes:
+        return pb.UploadDigestsRequest(job_id="j", digests=[DIGEST] * n).SerializeToString()
+
+    assert rpc.digests_of(upload(3), limits) == [DIGEST] * 3
+    with pytest.raises(LimitExceeded, match=r"^4 digests; the limit is max_manifest_entries=3$"):
+        rpc.digests_of(upload(4), limits)
+
+
+def test_a_groups_members_keep_their_own_fingerprints() -> None:
+    """Members of one call share their validation (rpc.Seen) only where their values are
+    the same: a rank of another config in a relay's group is judged by its own."""
+    m = manifest_of()
+    members = [join_request("g", r, 3, m) for r in range(3)]
+    members[0].config.fields.update({"n_layer": "12"})
+    members[1].config.fields.update({"n_layer": "13"})
+    members[2].config.fields.update({"n_layer": "12"})
+    members[2].code.fields.update({"n_layer": "12", "train.py": "sha256:ab"})
+    intents = rpc.group_intents(pb.JoinGroupRequest(members=members))
+    configs = [dict(i.member.agreed["config"]) for i in intents]
+    assert configs == [{"n_layer": "12"}, {"n_layer": "13"}, {"n_layer": "12"}]
+    assert dict(intents[2].member.agreed["code"]) == {"n_layer": "12", "train.py": "sha256:ab"}
+    assert "code" not in intents[0].member.agreed
+
+
+def test_a_bad_fingerprint_field_is_refused_naming_the_member_and_the_field() -> None:
+    m = manifest_of()
+    good, bad = join_request("g", 0, 2, m), join_request("g", 1, 2, m)
+    good.config.fields.update({"n_layer": "12"})
+    bad.config.fields.update({"": "12"})
+    with pytest.raises(InvalidArgument) as raised:
+        rpc.group_intents(pb.JoinGroupRequest(members=[good, bad]))
+    said = str(raised.value)
+    assert said.startswith("members[1] (rank 1): config field name '' must be 1-"), said
