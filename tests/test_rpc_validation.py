@@ -119,3 +119,31 @@ def test_a_bad_fingerprint_field_is_refused_naming_the_member_and_the_field() ->
         rpc.group_intents(pb.JoinGroupRequest(members=[good, bad]))
     said = str(raised.value)
     assert said.startswith("members[1] (rank 1): config field name '' must be 1-"), said
+
+
+def test_a_group_is_one_job_and_round_of_one_to_max_group_ranks() -> None:
+    m = manifest_of()
+    with pytest.raises(InvalidArgument) as raised:
+        rpc.group_intents(pb.JoinGroupRequest())
+    assert str(raised.value) == "the group has no members; a JoinGroup call needs at least one"
+    biggest = [join_request("g", r, rpc.MAX_GROUP + 1, m) for r in range(rpc.MAX_GROUP + 1)]
+    assert len(rpc.group_intents(pb.JoinGroupRequest(members=biggest[:-1]))) == rpc.MAX_GROUP
+    with pytest.raises(LimitExceeded) as over:
+        rpc.group_intents(pb.JoinGroupRequest(members=biggest))
+    assert str(over.value) == (
+        f"the group has {rpc.MAX_GROUP + 1} members; the limit is {rpc.MAX_GROUP} per call"
+    )
+    for other in (
+        join_request("other-job", 1, 4, m),
+        join_request("g", 1, 5, m),
+        join_request("g", 1, 4, m, round=2),
+    ):
+        with pytest.raises(InvalidArgument) as mixed:
+            rpc.group_intents(pb.JoinGroupRequest(members=[join_request("g", 0, 4, m), other]))
+        said = str(mixed.value)
+        assert said.startswith("members[1] (rank 1) is of job") and said.endswith(
+            "one group holds ranks of one job and round"
+        ), said
+    twice = [join_request("g", 0, 4, m), join_request("g", 0, 4, m)]
+    with pytest.raises(InvalidArgument, match=r"^members\[1\]: rank 0 appears twice"):
+        rpc.group_intents(pb.JoinGroupRequest(members=twice))
