@@ -80,7 +80,7 @@ def metrics() -> str:
 
 def checks() -> str:
     """The checks in the order they run, with their default level and their words."""
-    from cohortgate.coordinator.decision.checks import CHECKS
+    from cohortgate.coordinator.decision.checks import CHECKS, TRAINING
 
     out = ["| check | default | cause | what it compares |", "| --- | --- | --- | --- |"]
     out += [f"| `{c.name}` | {c.default} | `{c.cause}` | {_cell(c.help)} |" for c in CHECKS]
@@ -90,6 +90,13 @@ def checks() -> str:
         out.append(f"- refused because: {_cell(c.refusal)}")
         out.append(f"- the report opens: *all N ranks joined, but {_cell(c.head)}.*")
         out.append(f"- What to do: {_cell(c.advice)}\n")
+    out += [
+        "Judged during training, never at formation (their level is set the same way):",
+        "",
+        "| check | default | what it watches |",
+        "| --- | --- | --- |",
+    ]
+    out += [f"| `{c.name}` | {c.default} | {_cell(c.help)} |" for c in TRAINING]
     return "\n".join(out)
 
 

@@ -87,11 +87,11 @@ def test_the_reference_names_every_metric_the_coordinator_exports(site: Path) ->
 
 
 def test_the_reference_shows_every_check_and_a_refusal_the_code_decided(site: Path) -> None:
-    from cohortgate.coordinator.decision.checks import CHECKS
+    from cohortgate.coordinator.decision.checks import POLICED
     from cohortgate.coordinator.decision.verdict import Cause
 
     page = (site / "reference" / "refusals" / "index.html").read_text()
-    for check in CHECKS:
+    for check in POLICED:
         assert f"<code>{check.name}</code>" in page, check.name
     for cause in Cause:
         assert f"<code>{cause.value}</code>" in page, cause

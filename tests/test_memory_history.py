@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cohortgate.coordinator.decision.audit import AuditFinding
+from cohortgate.coordinator.decision.verdict import AuditFinding
 from cohortgate.coordinator.state.base import VerdictRow
 from cohortgate.coordinator.state.memory_history import MAX_FINDINGS, MemoryHistory
 from tests.test_store_contract import verdict_of

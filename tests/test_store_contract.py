@@ -28,11 +28,10 @@ from cohortgate.coordinator.contract.errors import (
     InvalidArgument,
     NotFound,
 )
-from cohortgate.coordinator.decision.audit import AuditFinding
 from cohortgate.coordinator.decision.cohort import Member, UploadKind
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.report import judge
-from cohortgate.coordinator.decision.verdict import Cause, Outcome, Verdict
+from cohortgate.coordinator.decision.verdict import AuditFinding, Cause, Outcome, Verdict
 from cohortgate.coordinator.etcd.client import EtcdSettings, EtcdThread
 from cohortgate.coordinator.state.asks import UploadRef
 from cohortgate.coordinator.state.base import (

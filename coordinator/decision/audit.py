@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from cohortgate.coordinator.contract import ranges
 from cohortgate.coordinator.decision.stall import StallAnswer
-from cohortgate.coordinator.decision.verdict import Level
+from cohortgate.coordinator.decision.verdict import AuditFinding, Level
 from cohortgate.coordinator.decision.words import all_ranks, plural
 from cohortgate.coordinator.decision.words import differ as verb
 from cohortgate.coordinator.decision.words import hosts as host_list
@@ -55,21 +55,6 @@ class RankAudit:
     group: str = ""
     tensors: tuple[tuple[str, bytes], ...] | None = None  # only when asked
     truncated: bool = False
-
-
-@dataclass(frozen=True)
-class AuditFinding:
-    """One record: a divergence found, or ranks that sent no audit for a step in time."""
-
-    job_id: str
-    cohort_id: str
-    step: int
-    kind: str  # "diverged" | "missing"
-    level: str
-    headline: str
-    report: str
-    at: float
-    stop_step: int = 0
 
 
 @dataclass(frozen=True)

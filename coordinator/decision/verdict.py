@@ -134,3 +134,18 @@ class Verdict:
     @property
     def warnings(self) -> tuple[str, ...]:
         return tuple(warnings(self.findings))
+
+
+@dataclass(frozen=True)
+class AuditFinding:
+    """One record: a divergence found, or ranks that sent no audit for a step in time."""
+
+    job_id: str
+    cohort_id: str
+    step: int
+    kind: str  # "diverged" | "missing"
+    level: str
+    headline: str
+    report: str
+    at: float
+    stop_step: int = 0

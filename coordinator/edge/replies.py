@@ -21,9 +21,9 @@ from cohortgate.coordinator.contract.diff import (
     OrderChange,
 )
 from cohortgate.coordinator.contract.diff import FirstDifference as DomainFirstDifference
-from cohortgate.coordinator.decision.audit import Answer, AuditFinding
+from cohortgate.coordinator.decision.audit import Answer
 from cohortgate.coordinator.decision.cohort import UploadKind
-from cohortgate.coordinator.decision.verdict import Cause, Outcome, Verdict
+from cohortgate.coordinator.decision.verdict import AuditFinding, Cause, Outcome, Verdict
 from cohortgate.coordinator.service.events import JoinEvent, UploadAsk
 from cohortgate.coordinator.service.status import CohortSummary
 from cohortgate.coordinator.state.base import LiveCohort, VerdictRow

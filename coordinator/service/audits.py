@@ -19,9 +19,9 @@ from cohortgate.coordinator.contract.errors import (
     InvalidArgument,
     LimitExceeded,
 )
-from cohortgate.coordinator.decision.audit import Answer, AuditFinding, CohortAudits, RankAudit
+from cohortgate.coordinator.decision.audit import Answer, CohortAudits, RankAudit
 from cohortgate.coordinator.decision.formation import FormationOptions
-from cohortgate.coordinator.decision.verdict import Level
+from cohortgate.coordinator.decision.verdict import AuditFinding, Level
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.service.sweeper import Sweeper
 from cohortgate.coordinator.state.base import VerdictStore

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import structlog
 
 from cohortgate.coordinator.contract.errors import FailedPrecondition, LimitExceeded
-from cohortgate.coordinator.decision.audit import AuditFinding
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.stall import (
     STRAGGLERS_SHOWN,
@@ -24,6 +23,7 @@ from cohortgate.coordinator.decision.stall import (
     StallEvent,
     Straggler,
 )
+from cohortgate.coordinator.decision.verdict import AuditFinding
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.service.sweeper import Sweeper
 from cohortgate.coordinator.state.base import VerdictStore

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from cohortgate.coordinator.contract import ranges
 from cohortgate.coordinator.contract.errors import InvalidArgument
 from cohortgate.coordinator.contract.manifest import ManifestLike
-from cohortgate.coordinator.decision.audit import AuditFinding
 from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind
-from cohortgate.coordinator.decision.verdict import Decision, Verdict
+from cohortgate.coordinator.decision.verdict import AuditFinding, Decision, Verdict
 from cohortgate.coordinator.state.asks import Asks, UploadRef
 
 

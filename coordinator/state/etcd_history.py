@@ -30,8 +30,7 @@ from urllib.parse import quote
 import structlog
 
 from cohortgate.coordinator.contract.errors import Unavailable
-from cohortgate.coordinator.decision.audit import AuditFinding
-from cohortgate.coordinator.decision.verdict import Verdict
+from cohortgate.coordinator.decision.verdict import AuditFinding, Verdict
 from cohortgate.coordinator.etcd.client import EtcdError, EtcdThread, created_at, prefix_end, put_op
 from cohortgate.coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
 from cohortgate.coordinator.state.records import (

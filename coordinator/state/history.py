@@ -19,8 +19,7 @@ from typing import TypeVar
 import structlog
 
 from cohortgate.coordinator.contract.errors import Unavailable
-from cohortgate.coordinator.decision.audit import AuditFinding
-from cohortgate.coordinator.decision.verdict import Verdict
+from cohortgate.coordinator.decision.verdict import AuditFinding, Verdict
 from cohortgate.coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
 from cohortgate.coordinator.state.history_writes import (
     AUDIT_COLUMNS,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import structlog
 
-from cohortgate.coordinator.decision.audit import AuditFinding
+from cohortgate.coordinator.decision.verdict import AuditFinding
 from cohortgate.coordinator.state.base import ErrorListener, VerdictRow
 from cohortgate.coordinator.state.records import members_to_text, verdict_to_json
 

@@ -15,8 +15,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from cohortgate.coordinator.decision.audit import AuditFinding
-from cohortgate.coordinator.decision.verdict import Verdict
+from cohortgate.coordinator.decision.verdict import AuditFinding, Verdict
 from cohortgate.coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
 from cohortgate.coordinator.state.records import members_from_text, members_to_text, received
 

@@ -9,8 +9,14 @@ from typing import Any
 
 from cohortgate.coordinator.contract import ranges
 from cohortgate.coordinator.contract.diff import ManifestDiff
-from cohortgate.coordinator.decision.audit import AuditFinding
-from cohortgate.coordinator.decision.verdict import Cause, Finding, Outcome, SignatureClass, Verdict
+from cohortgate.coordinator.decision.verdict import (
+    AuditFinding,
+    Cause,
+    Finding,
+    Outcome,
+    SignatureClass,
+    Verdict,
+)
 
 
 def verdict_to_json(v: Verdict) -> str:

@@ -2,7 +2,8 @@
 
 A check is one module here (a `Check` subclass: name, default level, cause, findings) and one
 entry in CHECKS. The order is the precedence: the first check that refuses names the cause;
-the findings of every check that ran go into the report. Levels come from `Policies`.
+the findings of every check that ran go into the report. Levels come from `Policies`, for
+these and for TRAINING's (audits and stalls, judged during training, not here).
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from cohortgate.coordinator.decision.checks.agreement import AGREEMENT_CHECKS
-from cohortgate.coordinator.decision.checks.audit import AuditCheck
 from cohortgate.coordinator.decision.checks.base import Check, Context, Result
 from cohortgate.coordinator.decision.checks.coverage import CoverageCheck
 from cohortgate.coordinator.decision.checks.layout import LayoutCheck
 from cohortgate.coordinator.decision.checks.model import ModelCheck
 from cohortgate.coordinator.decision.checks.runtime import RUNTIME_CHECKS
-from cohortgate.coordinator.decision.checks.stall import StallCheck
 from cohortgate.coordinator.decision.checks.weights import WeightsCheck
 from cohortgate.coordinator.decision.verdict import Finding, Level, warnings
 
@@ -33,14 +32,41 @@ CHECKS: tuple[Check, ...] = (
     *OTHER_AGREEMENT,
     *RUNTIME_CHECKS,
     WeightsCheck(),
-    AuditCheck(),  # last: these judge training, not formation
-    StallCheck(),
 )
-DEFAULT_POLICY: dict[str, Level] = {c.name: c.default for c in CHECKS}
+
+
+@dataclass(frozen=True)
+class TrainingCheck:
+    """A policy over what is judged during training, never at formation: its level comes
+    from `--policy NAME=LEVEL` and `--job-policy` as every check's; the judging is
+    decision/audit.py's or decision/stall.py's, over data, on the service's sweep."""
+
+    name: str
+    default: Level
+    help: str
+
+
+TRAINING: tuple[TrainingCheck, ...] = (
+    # strict stops the job at a step every rank agrees on; warn reports and goes on; off
+    # takes no audits
+    TrainingCheck(
+        "audit",
+        Level.WARN,
+        "replicas still hold the same weights at each cohort.audit(model, step)",
+    ),
+    # strict ends the job with the stall report (every rank writes it to torchrun's error
+    # file and exits); warn reports it and leaves the job alone; off asks nothing of ranks
+    TrainingCheck(
+        "stall", Level.WARN, "some rank reaches a new step within --stall-after (cohort.step(n))"
+    ),
+)
+POLICED: tuple[Check | TrainingCheck, ...] = (*CHECKS, *TRAINING)  # every name --policy takes
+DEFAULT_POLICY: dict[str, Level] = {c.name: c.default for c in POLICED}
 
 __all__ = [
     "CHECKS",
     "DEFAULT_POLICY",
+    "TRAINING",
     "Check",
     "Context",
     "Finding",
@@ -54,7 +80,7 @@ __all__ = [
 
 def policy_help() -> str:
     """The checks and their default levels, for --help and the settings' description."""
-    checks = ", ".join(f"{c.name} ({c.default})" for c in CHECKS)
+    checks = ", ".join(f"{c.name} ({c.default})" for c in POLICED)
     return (
         f"CHECK=LEVEL; checks (default level): {checks}; levels: strict (refuse), "
         "warn (form and record), off"
