@@ -15,15 +15,14 @@ import structlog
 
 from cohortgate.coordinator.contract.errors import (
     CoordinatorError,
-    FailedPrecondition,
     InvalidArgument,
-    LimitExceeded,
 )
 from cohortgate.coordinator.decision.audit import Answer, CohortAudits, RankAudit
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.verdict import AuditFinding, Level
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.service.sweeper import Sweeper
+from cohortgate.coordinator.service.watched import Formed, Watched
 from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
@@ -32,9 +31,6 @@ SWEEP_S = 1.0
 # A cohort nobody audited for this long is forgotten (its findings stay in the history).
 IDLE_S = 6 * 3600.0
 MAX_AUDITED = 10_000  # cohorts audited at once
-
-# (job, round) -> the cohort id it formed as and its ranks' hosts, while the store holds it
-Formed = Callable[[str, int], tuple[str, dict[int, str]] | None]
 
 
 class Audits:
@@ -47,8 +43,15 @@ class Audits:
         formed: Formed | None = None,
     ) -> None:
         self.options, self.history, self.observer, self.clock = options, history, observer, clock
-        self.formed: Formed = formed or (lambda job_id, round_: None)
-        self.cohorts: dict[str, CohortAudits] = {}
+        self.watched = Watched[CohortAudits](
+            limit=MAX_AUDITED,
+            room_idle_s=IDLE_S / 6,
+            formed=formed,
+            noun="audit",
+            participle="audited",
+            sized=observer.metrics.audited_cohorts.set,
+        )
+        self.cohorts = self.watched.cohorts
         self.sweeper = Sweeper("audit", SWEEP_S, self.sweep, lambda: bool(self.cohorts))
 
     # -- calls -----------------------------------------------------------------------------
@@ -76,34 +79,21 @@ class Audits:
 
     def _cohort(self, a: RankAudit, now: float) -> CohortAudits:
         c = self.cohorts.get(a.cohort_id)
-        if c is not None:
-            if c.job_id != a.job_id or c.world_size != a.world_size:
-                raise InvalidArgument(
-                    f"cohort {a.cohort_id[:64]} is audited as job '{c.job_id[:64]}' of "
-                    f"{c.world_size} ranks; this audit says job '{a.job_id[:64]}' of "
-                    f"{a.world_size}"
-                )
-            return c
-        if len(self.cohorts) >= MAX_AUDITED:
-            self._evict(now, IDLE_S / 6)
-            if len(self.cohorts) >= MAX_AUDITED:
-                raise LimitExceeded(
-                    f"{MAX_AUDITED} cohorts are audited at once; no more are taken now"
-                )
-        held = self.formed(a.job_id, a.round)
-        if held is not None and held[0] != a.cohort_id:
-            raise FailedPrecondition(
-                f"job '{a.job_id[:64]}' round {a.round} formed as cohort {held[0]}; this audit "
-                f"names cohort {a.cohort_id[:64]} (a rank of another launch?): not taken"
+        if c is not None and (c.job_id != a.job_id or c.world_size != a.world_size):
+            raise InvalidArgument(
+                f"cohort {a.cohort_id[:64]} is audited as job '{c.job_id[:64]}' of "
+                f"{c.world_size} ranks; this audit says job '{a.job_id[:64]}' of "
+                f"{a.world_size}"
             )
-        level = self.options.policies.for_job(a.job_id)["audit"]
-        c = CohortAudits(a.cohort_id, a.job_id, a.world_size, level)
-        if held is not None:  # a rank that never audits is named with its host
-            c.hosts.update(held[1])
-        self._restore(c)
-        self.cohorts[a.cohort_id] = c
-        self.observer.metrics.audited_cohorts.set(len(self.cohorts))
-        return c
+
+        def new(hosts: dict[int, str]) -> CohortAudits:
+            level = self.options.policies.for_job(a.job_id)["audit"]
+            made = CohortAudits(a.cohort_id, a.job_id, a.world_size, level)
+            made.hosts.update(hosts)
+            self._restore(made)
+            return made
+
+        return c or self.watched.take(a.cohort_id, a.job_id, a.round, now, new)
 
     def _restore(self, c: CohortAudits) -> None:
         """What the history holds of this cohort (a coordinator restarted, or a failover)."""
@@ -146,12 +136,7 @@ class Audits:
         for c in list(self.cohorts.values()):
             c.sweep(now, self.options.audit_timeout_s)
             self._drain(c)
-        self._evict(now, IDLE_S)
-
-    def _evict(self, now: float, idle_s: float) -> None:
-        for cohort_id in [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]:
-            del self.cohorts[cohort_id]
-        self.observer.metrics.audited_cohorts.set(len(self.cohorts))
+        self.watched.evict(now, IDLE_S)
 
     def close(self) -> None:
         self.sweeper.close()

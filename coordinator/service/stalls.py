@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import structlog
 
-from cohortgate.coordinator.contract.errors import FailedPrecondition, LimitExceeded
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.stall import (
     STRAGGLERS_SHOWN,
@@ -26,6 +25,7 @@ from cohortgate.coordinator.decision.stall import (
 from cohortgate.coordinator.decision.verdict import AuditFinding
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.service.sweeper import Sweeper
+from cohortgate.coordinator.service.watched import Formed, Watched
 from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
@@ -37,9 +37,6 @@ STRAGGLERS_EVERY_S = 10.0
 # A cohort none of whose ranks beat for this long is forgotten.
 IDLE_S = 600.0
 MAX_WATCHED = 10_000
-
-# (job, round) -> the cohort id it formed as and its ranks' hosts, while the store holds it
-Formed = Callable[[str, int], tuple[str, dict[int, str]] | None]
 
 
 class Stalls:
@@ -54,8 +51,16 @@ class Stalls:
     ) -> None:
         self.options, self.history, self.observer = options, history, observer
         self.clock, self.wall = clock, wall
-        self.formed: Formed = formed or (lambda job_id, round_: None)
-        self.cohorts: dict[str, CohortProgress] = {}
+        self.watched = Watched[CohortProgress](
+            limit=MAX_WATCHED,
+            room_idle_s=IDLE_S / 10,
+            formed=formed,
+            noun="step mark",
+            participle="watched",
+            sized=observer.metrics.watched_cohorts.set,
+            evicted=lambda gone: self._count_stalled(),
+        )
+        self.cohorts = self.watched.cohorts
         self.stragglers: dict[str, list[Straggler]] = {}  # by cohort id, as last found
         self._stragglers_at = -STRAGGLERS_EVERY_S
         self.sweeper = Sweeper("stall", SWEEP_S, self.sweep, lambda: bool(self.cohorts))
@@ -75,35 +80,21 @@ class Stalls:
         return {k: c.answer() for k, c in touched.items()}
 
     def _cohort(self, b: Beat, now: float) -> CohortProgress:
-        c = self.cohorts.get(b.cohort_id)
-        if c is not None:
-            return c
-        if len(self.cohorts) >= MAX_WATCHED:
-            self._evict(now, IDLE_S / 10)
-            if len(self.cohorts) >= MAX_WATCHED:
-                raise LimitExceeded(f"{MAX_WATCHED} cohorts are watched at once; no more now")
-        held = self.formed(b.job_id, b.round)
-        if held is not None and held[0] != b.cohort_id:
-            raise FailedPrecondition(
-                f"job '{b.job_id[:64]}' round {b.round} formed as cohort {held[0]}; this step "
-                f"mark names cohort {b.cohort_id[:64]} (a rank of another launch?): not taken"
+        def new(hosts: dict[int, str]) -> CohortProgress:
+            made = CohortProgress(
+                b.cohort_id,
+                b.job_id,
+                b.world_size,
+                self.options.policies.for_job(b.job_id)["stall"],
+                self.options.stall_after_for(b.job_id),
+                self.options.pause_limit_s,
+                # past any id a coordinator before this one gave (one per 1/256 s at most)
+                first_stall_id=int(self.wall() * 256),
             )
-        policies = self.options.policies
-        c = CohortProgress(
-            b.cohort_id,
-            b.job_id,
-            b.world_size,
-            policies.for_job(b.job_id)["stall"],
-            self.options.stall_after_for(b.job_id),
-            self.options.pause_limit_s,
-            # past any id a coordinator before this one gave (one per 1/256 s at most)
-            first_stall_id=int(self.wall() * 256),
-        )
-        if held is not None:
-            c.hosts.update(held[1])  # a rank that never beats is named with its host
-        self.cohorts[b.cohort_id] = c
-        self.observer.metrics.watched_cohorts.set(len(self.cohorts))
-        return c
+            made.hosts.update(hosts)  # a rank that never beats is named with its host
+            return made
+
+        return self.watched.take(b.cohort_id, b.job_id, b.round, now, new)
 
     def _drain(self, c: CohortProgress) -> None:
         m = self.observer.metrics
@@ -139,7 +130,7 @@ class Stalls:
         for c in list(self.cohorts.values()):
             c.sweep(now)
             self._drain(c)
-        self._evict(now, IDLE_S)
+        self.watched.evict(now, IDLE_S)
         if now - self._stragglers_at >= STRAGGLERS_EVERY_S:
             self._stragglers_at = now
             ratio = self.options.straggler_ratio
@@ -150,15 +141,6 @@ class Stalls:
     def _count_stalled(self) -> None:
         stalled = sum(1 for x in self.cohorts.values() if x.stall and x.stall.told)
         self.observer.metrics.stalled.set(stalled)
-
-    def _evict(self, now: float, idle_s: float) -> None:
-        gone = [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]
-        for cohort_id in gone:
-            del self.cohorts[cohort_id]
-        m = self.observer.metrics
-        m.watched_cohorts.set(len(self.cohorts))
-        if gone:
-            self._count_stalled()
 
     def close(self) -> None:
         self.sweeper.close()
