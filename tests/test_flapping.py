@@ -14,9 +14,10 @@ from cohortgate.agent.client import JoinOptions
 from cohortgate.agent.torchrun import CohortgateError
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.contract.errors import FailedPrecondition
+from cohortgate.coordinator.decision.admit import ROUNDS_KEPT
 from cohortgate.coordinator.decision.verdict import Outcome
 from cohortgate.coordinator.state.base import JoinIntent
-from cohortgate.coordinator.state.memory import ROUNDS_KEPT, MemoryStore
+from cohortgate.coordinator.state.memory import MemoryStore
 from tests.helpers import (
     InProcessCoordinator,
     agent_rank,

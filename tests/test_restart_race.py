@@ -209,7 +209,8 @@ def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_roun
     """A successor's incarnation is remembered with its round; once that round is forgotten
     (ROUNDS_KEPT newer rounds), its re-join is a join like any other, not a lookup of a
     round that is gone."""
-    from cohortgate.coordinator.state.memory import ROUNDS_KEPT, MemoryStore
+    from cohortgate.coordinator.decision.admit import ROUNDS_KEPT
+    from cohortgate.coordinator.state.memory import MemoryStore
 
     now = [0.0]
     store = MemoryStore(lambda: now[0])

@@ -1,20 +1,22 @@
-"""The in-memory cohort store: live jobs and their rounds, joins, departures, uploads."""
+"""The in-memory cohort store: live jobs and their rounds, joins, departures, uploads.
+
+It keeps the data; what a join admits and what an upload must be are decision/admit.py's
+and decision/upload_checks.py's rules, which it asks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cohortgate.coordinator.contract.digests import DIGEST_BYTES, combine_uploaded, files_field
+from cohortgate.coordinator.contract.digests import combine_uploaded, files_field
 from cohortgate.coordinator.contract.errors import (
-    AlreadyHeld,
     FailedPrecondition,
-    InvalidArgument,
-    LimitExceeded,
     NotFound,
 )
 from cohortgate.coordinator.contract.limits import Limits
 from cohortgate.coordinator.contract.manifest import HeldManifest, ManifestLike
+from cohortgate.coordinator.decision import admit
+from cohortgate.coordinator.decision import upload_checks as checks
 from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
 from cohortgate.coordinator.decision.verdict import Decision, Outcome, Verdict
 from cohortgate.coordinator.state.asks import UploadRef, key_of, uploaded
@@ -25,28 +27,6 @@ from cohortgate.coordinator.state.base import (
     JoinResult,
     LiveCohort,
 )
-
-# The most one manifest entry takes on the wire (a 1,024-character name, 64 dimensions and
-# strides, dtype, alias): an upload larger than its announced entries allow is refused
-# before it is decoded.
-MAX_ENTRY_WIRE_BYTES = 4096
-UPLOAD_SLACK_BYTES = 64 * 1024
-
-# A new incarnation of a decided round's member (same launch, same torchrun restart count,
-# same model) that joins within this many seconds of the decision is its predecessor's
-# successor: the process died as the round was decided and came straight back, and the
-# other ranks have their verdict. It gets that verdict, so every rank of the round has one.
-# Never a torchrun worker's: torchrun starts a new process of a rank only with its whole
-# node, after a crash (raising the restart count) or when another node re-rendezvouses
-# (keeping it), and either way the job forms a new round. A
-# rank started without torchrun names no launch (a node supervisor, a container restart, a
-# harness): its successor is a new process of the same rank on the same host. A harness
-# that relaunches a whole job within the window names a launch of its own (as torchrun does).
-SUCCESSOR_WINDOW_S = 10.0
-
-# Decided rounds kept per job, so that a rank re-joining with its incarnation gets its
-# verdict back; older rounds are forgotten (the history database keeps them for good).
-ROUNDS_KEPT = 4
 
 
 @dataclass
@@ -84,39 +64,22 @@ class MemoryStore(CohortStore):
         now = self.clock()
         member = intent.member
         member.joined_at = member.last_seen = now
-        # Checked before anything is created: a refused join must leave no trace.
-        if member.rank >= intent.world_size:
-            raise InvalidArgument(
-                f"rank {member.rank} is outside [0, {intent.world_size}) for world size "
-                f"{intent.world_size}"
-            )
+        admit.check_rank(member.rank, intent.world_size)
         job = self.jobs.get(intent.job_id)
         if job is not None:
             replay = self._replay(job, intent) or self._successor(job, intent, now)
             if replay is not None:
                 return replay
         opened = job is None or job.current.settled
-        self._check_limits(opened)
+        admit.check_room(self.waiting_cohorts, self.waiting_ranks, self.limits, opened)
         job = self._round_for(job, intent, now)
         cohort = job.current
         state = cohort.state
-        if intent.world_size != state.world_size:
-            raise FailedPrecondition(
-                f"world size {intent.world_size} disagrees with job '{job.job_id}' round "
-                f"{state.round}, which has world size {state.world_size}; every rank of a "
-                "job must be launched with the same WORLD_SIZE"
-            )
+        admit.check_world(job.job_id, state.round, state.world_size, intent.world_size)
         held = state.members.get(member.rank)
-        if held is not None and held.incarnation != member.incarnation:
-            if member.launch and held.launch and member.launch != held.launch:
-                state.intruders.append(member)
-                return JoinResult(cohort, member, intruder=True)
-            raise AlreadyHeld(
-                f"rank {member.rank} of job '{job.job_id}' round {state.round} is already held "
-                f"by incarnation {held.incarnation} (host {held.host}, pid {held.pid}); this "
-                f"join is from incarnation {member.incarnation} (host {member.host}, pid "
-                f"{member.pid}). Two processes claim the same RANK: check the launcher."
-            )
+        if admit.seat(job.job_id, state.round, held, member) is admit.Seat.INTRUDER:
+            state.intruders.append(member)
+            return JoinResult(cohort, member, intruder=True)
         if held is None:
             self.waiting_ranks += 1
         if opened:
@@ -125,18 +88,6 @@ class MemoryStore(CohortStore):
         # The first rank of each signature is asked for its manifest at once.
         cohort.asks.ask(state, UploadKind.MANIFEST, member.signature, prefer=member, now=now)
         return JoinResult(cohort, member, opened=opened)
-
-    def _check_limits(self, opening: bool) -> None:
-        if opening and self.waiting_cohorts >= self.limits.max_cohorts:
-            raise LimitExceeded(
-                f"{self.waiting_cohorts} cohorts are waiting, the limit max_cohorts="
-                f"{self.limits.max_cohorts}; this join would open another"
-            )
-        if self.waiting_ranks >= self.limits.max_waiting_ranks:
-            raise LimitExceeded(
-                f"{self.waiting_ranks} ranks are waiting, the limit max_waiting_ranks="
-                f"{self.limits.max_waiting_ranks}"
-            )
 
     def _round_for(self, job: Job | None, intent: JoinIntent, now: float) -> Job:
         """The job with the round this join takes part in: its open one, or a new one."""
@@ -167,57 +118,30 @@ class MemoryStore(CohortStore):
 
     def _successor(self, job: Job, intent: JoinIntent, now: float) -> JoinResult | None:
         """The just-decided round's verdict for a successor of one of its members (see
-        SUCCESSOR_WINDOW_S), or None: the join takes part in the open (or a new) round."""
+        decision/admit.py: SUCCESSOR_WINDOW_S), or None: the join takes part in the open (or
+        a new) round."""
         cohort, new = job.current, intent.member
         held = cohort.state.members.get(new.rank)
-        decided_at = cohort.settled_at
-        if (
-            cohort.verdict is None
-            or decided_at is None
-            or now - decided_at > SUCCESSOR_WINDOW_S
-            or held is None
-            or new.elastic
-            or (held.launch, held.restart_count) != (new.launch, new.restart_count)
-            or (not held.launch and held.host != new.host)
-            or (held.signature, held.weights_digest, held.layout, held.agreed)
-            != (new.signature, new.weights_digest, new.layout, new.agreed)
-        ):
+        decided_at = cohort.settled_at if cohort.verdict is not None else None
+        if held is None or not admit.is_successor(held, new, decided_at, now):
             return None
         job.incarnations[new.incarnation] = cohort.round  # its own re-joins replay too
         return JoinResult(cohort, held, replayed=True, successor=True)
 
     def _check_round(self, job: Job, asked: int, open_round: int) -> None:
-        """A join that names a round (a re-join after its call dropped) takes part in the
-        open round unless a round since the one it names was decided: those ranks have
-        their verdict. Every round since was abandoned (a flapping network drops all of a
-        job's calls at once, again and again): the rank still belongs in the open round,
-        however many rounds went by and were forgotten meanwhile."""
-        if asked in (0, open_round) or job.last_decided < asked < open_round:
-            return
-        if asked < open_round:
-            since = (job.rounds.get(r) for r in range(asked, open_round))
-            over = next((c for c in since if c is not None and c.verdict is not None), None)
-            outcome = over.verdict.outcome.value if over and over.verdict else "decided"
-            raise FailedPrecondition(
-                f"round {asked} of job '{job.job_id}' is over ({outcome}); the open round is "
-                f"{open_round}. Join without a round to take part in it."
-            )
-        raise FailedPrecondition(
-            f"round {asked} of job '{job.job_id}' does not exist yet; the open round is "
-            f"{open_round}"
-        )
+        def outcome_of(round_: int) -> str | None:
+            kept = job.rounds.get(round_)
+            verdict = kept.verdict if kept is not None else None
+            return verdict.outcome.value if verdict is not None else None
+
+        admit.check_round(job.job_id, asked, open_round, job.last_decided, outcome_of)
 
     def _new_cohort(self, intent: JoinIntent, round_: int, now: float) -> LiveCohort:
         return LiveCohort(CohortState(intent.job_id, round_, intent.world_size, first_join_at=now))
 
     def _forget_old_rounds(self, job: Job) -> None:
-        """The newest ROUNDS_KEPT rounds stay, counting no abandoned one but the open
-        round: abandoned rounds (a flapping network makes many) never push out a verdict
-        that its ranks' re-joins replay."""
-        rounds = sorted(job.rounds)
-        counted = [r for r in rounds if job.rounds[r].abandoned_at is None or r == rounds[-1]]
-        keep = set(rounds[-ROUNDS_KEPT:]) | set(counted[-ROUNDS_KEPT:])
-        old = [r for r in rounds if r not in keep]
+        rounds = [(r, job.rounds[r].abandoned_at is not None) for r in sorted(job.rounds)]
+        old = admit.rounds_to_forget(rounds)
         if not old:
             return
         for round_ in old:
@@ -278,71 +202,31 @@ class MemoryStore(CohortStore):
         what = "a manifest" if kind is UploadKind.MANIFEST else "digests"
         cohort, member = self._member(ref, what)
         if kind is UploadKind.MANIFEST:
-            self._check_claim(ref, member, claimed)
-            most = member.manifest_entries * MAX_ENTRY_WIRE_BYTES + UPLOAD_SLACK_BYTES
+            checks.check_claim(ref.rank, member, claimed)
         else:
-            self._check_digests_expected(ref, member)
-            most = member.manifest_entries * (DIGEST_BYTES + 8) + UPLOAD_SLACK_BYTES
-        if size > most:
-            raise LimitExceeded(
-                f"the {what} upload of rank {ref.rank} is {size} bytes, more than its "
-                f"{member.manifest_entries}-entry manifest can take ({most} bytes at most)"
-            )
+            checks.check_digests_expected(ref.rank, member)
+        checks.check_size(kind, ref.rank, member, size)
         wanted = not uploaded(cohort.state, kind, key_of(member, kind))
         if wanted and kind is UploadKind.MANIFEST:
-            self._check_manifest_budget(cohort, size)
+            checks.check_manifest_budget(
+                cohort.job_id,
+                cohort.round,
+                cohort.manifest_bytes,
+                self.manifest_bytes,
+                size,
+                self.limits,
+            )
         return wanted
-
-    def _check_manifest_budget(self, cohort: LiveCohort, size: int) -> None:
-        limits = self.limits
-        if cohort.manifest_bytes + size > limits.max_cohort_manifest_bytes:
-            raise LimitExceeded(
-                f"job '{cohort.job_id}' round {cohort.round} holds {cohort.manifest_bytes} "
-                f"bytes of manifests; this {size}-byte upload would pass the limit "
-                f"max_cohort_manifest_bytes={limits.max_cohort_manifest_bytes} (that many "
-                "different models in one job is itself the problem: the cohort is refused "
-                "with the manifests it has)"
-            )
-        if self.manifest_bytes + size > limits.max_manifest_bytes:
-            raise LimitExceeded(
-                f"this coordinator holds {self.manifest_bytes} bytes of manifests across all "
-                f"cohorts; this {size}-byte upload would pass the limit "
-                f"max_manifest_bytes={limits.max_manifest_bytes}"
-            )
-
-    def _check_claim(self, ref: UploadRef, member: Member, claimed: bytes) -> None:
-        if claimed != member.signature:
-            raise InvalidArgument(
-                f"upload claims signature {claimed.hex()[:12]}, but rank {ref.rank} joined "
-                f"with {member.signature.hex()[:12]}"
-            )
-
-    def _check_digests_expected(self, ref: UploadRef, member: Member) -> None:
-        if not member.weights_digest:
-            raise FailedPrecondition(
-                f"rank {ref.rank} joined without a weights digest; there is nothing to explain"
-            )
 
     def upload(
         self, ref: UploadRef, manifest: ManifestLike, claimed: bytes, size: int = 0
     ) -> LiveCohort:
         cohort, member = self._member(ref, "a manifest")
-        rank = ref.rank
-        self._check_claim(ref, member, claimed)
-        actual = manifest.signature()
-        if actual != claimed:
-            message = (
-                f"the manifest uploaded by rank {rank} (host {member.host}) hashes to "
-                f"{actual.hex()[:12]}, not to the signature {claimed.hex()[:12]} it joined "
-                "with: agent and coordinator disagree on the encoding, or the model changed "
-                "between signing and uploading"
-            )
-            raise self._invalid(cohort, UploadKind.MANIFEST, claimed, message)
-        if len(manifest) != member.manifest_entries:
-            raise InvalidArgument(
-                f"the manifest uploaded by rank {rank} has {len(manifest)} entries, but the "
-                f"join announced {member.manifest_entries}"
-            )
+        checks.check_claim(ref.rank, member, claimed)
+        lie = checks.manifest_lie(ref.rank, member, manifest.signature(), claimed)
+        if lie is not None:
+            raise self._invalid(cohort, UploadKind.MANIFEST, claimed, lie)
+        checks.check_entries(ref.rank, member, len(manifest), "manifest")
         if claimed not in cohort.state.manifests:
             held = manifest if isinstance(manifest, HeldManifest) else HeldManifest(manifest)
             cohort.state.manifests[claimed] = held
@@ -392,12 +276,8 @@ class MemoryStore(CohortStore):
         """The uploader's cohort and member, checked to be asked for `count` digests, and
         the manifest whose entries name them."""
         cohort, member = self._member(ref, "digests")
-        self._check_digests_expected(ref, member)
-        if count != member.manifest_entries:
-            raise InvalidArgument(
-                f"{count} digests uploaded, but rank {ref.rank}'s manifest has "
-                f"{member.manifest_entries} entries: send one per entry, in manifest order"
-            )
+        checks.check_digests_expected(ref.rank, member)
+        checks.check_entries(ref.rank, member, count, "digests")
         manifest = cohort.state.manifests.get(member.signature)
         if manifest is None:
             raise FailedPrecondition(
@@ -412,13 +292,9 @@ class MemoryStore(CohortStore):
         cohort, member, manifest = self._digests_source(ref, len(digests))
         if combined is None:
             combined = combine_uploaded((e.name for e in manifest.entries), digests)
-        if combined != member.weights_digest:
-            message = (
-                f"the per-tensor digests uploaded by rank {ref.rank} (host {member.host}) do "
-                "not combine to the weights digest it joined with: the weights changed between "
-                "digesting and uploading, or agent and coordinator versions differ"
-            )
-            raise self._invalid(cohort, UploadKind.DIGESTS, member.weights_digest, message)
+        lie = checks.digests_lie(ref.rank, member, combined)
+        if lie is not None:
+            raise self._invalid(cohort, UploadKind.DIGESTS, member.weights_digest, lie)
         cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
         cohort.asks.done(UploadKind.DIGESTS, member.weights_digest)
         return cohort
@@ -431,14 +307,10 @@ class MemoryStore(CohortStore):
                 f"rank {ref.rank} joined without a modules field; there are no files to name"
             )
         cohort.asks.done(UploadKind.FILES, key)
-        if files_field(files).encode() != key:
+        lie = checks.files_lie(ref.rank, member, key, files_field(files).encode())
+        if lie is not None:
             cohort.state.files.setdefault(key, ())  # unknown: the report says so
-            raise InvalidUpload(
-                f"the code files uploaded by rank {ref.rank} (host {member.host}) do not "
-                f"combine to the modules field it joined with ({key.decode()[:64]}): a file "
-                "changed on disk since the join, or agent and coordinator versions differ",
-                cohort,
-            )
+            raise InvalidUpload(lie, cohort)
         cohort.state.files.setdefault(key, tuple(files))
         return cohort
 
