@@ -15,6 +15,9 @@ from cohortgate.coordinator.decision.formation import FormationOptions, join_dea
 from cohortgate.coordinator.decision.verdict import Verdict
 from cohortgate.coordinator.service.book import Book, ref_of
 from cohortgate.coordinator.service.calls import Calls
+from cohortgate.coordinator.service.deciding import Decider
+from cohortgate.coordinator.service.delivery import Delivery
+from cohortgate.coordinator.service.departures import Departures
 from cohortgate.coordinator.service.events import JoinEvent, Progress, UploadAsk
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.state.asks import UploadRef
@@ -41,9 +44,9 @@ JOIN_POLL_LINGER_S = 5.0
 
 
 class Admission:
-    """Joins and the calls that wait on them. `evaluate` decides a cohort after a change;
-    `recording` says whether its verdict is held back until stored; `changed` tells the
-    watchers."""
+    """Joins and the calls that wait on them: a join enters the store, the decider decides
+    the cohort again, delivery says whether its verdict is held back until stored, and a
+    call that ends departs its members; `changed` tells the watchers."""
 
     def __init__(
         self,
@@ -56,15 +59,17 @@ class Admission:
         book: Book,
         *,
         progress_interval_s: float,
-        evaluate: Callable[[LiveCohort], None],
-        recording: Callable[[LiveCohort], bool],
+        decider: Decider,
+        delivery: Delivery,
+        departures: Departures,
         changed: Callable[[LiveCohort], None],
     ) -> None:
         self.store, self.history, self.options = store, history, options
         self.observer, self.clock = observer, clock
         self.calls, self.book = calls, book
         self.progress_interval_s = progress_interval_s
-        self._evaluate, self._recording, self._changed = evaluate, recording, changed
+        self.decider, self.delivery, self.departures = decider, delivery, departures
+        self._changed = changed
         # Why joins are refused now (shutting down, standing by); None while admitting.
         self.refusal: Callable[[], Unavailable | None] = lambda: None
         # Members of answered long polls, between two calls: by the event they wait on (one
@@ -119,7 +124,7 @@ class Admission:
         try:
             if on_gone is not None:
                 on_gone(poke.set)
-            self._evaluate(cohort)
+            self.decider.evaluate(cohort)
             self._changed(cohort)
             async for event in self._wait(cohort, held, poke, intents, alive, poll):
                 yield event
@@ -214,7 +219,7 @@ class Admission:
             held = cohort.state.members.get(intent.member.rank) if cohort else None
             if cohort is None or held is None or self.calls.answers(cohort, held):
                 raise
-            self.depart(cohort, held)
+            self.departures.depart(cohort, held)
             return self.store.join(intent)
 
     async def _wait(
@@ -275,7 +280,7 @@ class Admission:
     ) -> bool:
         """Wait until the verdict is stored (or no longer waited for); False if the call
         went meanwhile. Delivery wakes it."""
-        while self._recording(cohort):
+        while self.delivery.recording(cohort):
             if not alive():
                 return False
             refusal = self.refusal()
@@ -340,30 +345,7 @@ class Admission:
         """A call ended: its members still waiting leave (unless another call took them)."""
         for ref, member in held:
             if self.calls.release(ref, poke) and cohort.verdict is None:
-                self.depart(cohort, member)
-
-    def depart(self, cohort: LiveCohort, member: Member) -> None:
-        """`member` left before the verdict: its rank is free, its asks go to others; the
-        round is abandoned when no rank is left."""
-        if not cohort.state.holds(member):
-            return  # an intruder (another launch), or already replaced
-        successors = self.store.leave(cohort, member)
-        self.calls.forget(cohort, member)
-        self.observer.departed()
-        self._changed(cohort)
-        log.info("rank left before the verdict", **_where(cohort, member))
-        for successor in successors:
-            self.calls.poke(cohort, successor)
-        if self.store.abandon(cohort):
-            self.book.drop(cohort)
-            self.observer.abandoned()
-            self._changed(cohort)
-            log.info(
-                "round abandoned",
-                job=cohort.job_id,
-                round=cohort.round,
-                reason="every rank left before a verdict; the next join opens a new round",
-            )
+                self.departures.depart(cohort, member)
 
     def progress(self, cohort: LiveCohort) -> Progress:
         """Cached per cohort for a fraction of the interval: 16k waiting ranks share one."""
@@ -389,17 +371,6 @@ class Admission:
         event = Progress(cohort.job_id, cohort.round, joined, n, missing, message, deadline_in)
         tracked.progress = (now, state.version, event)
         return event
-
-
-def _where(cohort: LiveCohort, member: Member) -> dict[str, object]:
-    """A member's log context."""
-    return {
-        "job": cohort.job_id,
-        "round": cohort.round,
-        "rank": member.rank,
-        "host": member.host,
-        "incarnation": member.incarnation,
-    }
 
 
 def _new_asks(cohort: LiveCohort, held: Held, told: set[tuple[UploadKind, int]]) -> list[UploadAsk]:

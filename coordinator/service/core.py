@@ -32,6 +32,7 @@ from cohortgate.coordinator.service.book import Book
 from cohortgate.coordinator.service.calls import Calls
 from cohortgate.coordinator.service.deciding import OFFLOAD_ABOVE, Decider
 from cohortgate.coordinator.service.delivery import Delivery
+from cohortgate.coordinator.service.departures import Departures
 from cohortgate.coordinator.service.events import JoinEvent, Progress
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.service.stalls import Stalls
@@ -73,7 +74,23 @@ class Coordinator:
         self.book = Book(clock)
         self.calls = Calls()
         self.watchers = WatchHub(self._summaries_of, self.limits, watch_interval_s)
+        # One pipeline, each part handed the ones after it: admission -> deciding ->
+        # delivery (record, then send); a rank that leaves -> departures.
         self.delivery = Delivery(self.history, self.observer, self.book, self.calls, self._changed)
+        self.departures = Departures(
+            self.store, self.observer, self.book, self.calls, self._changed
+        )
+        self.decider = Decider(
+            self.store,
+            self.options,
+            clock,
+            self.observer,
+            self.book,
+            self.calls,
+            delivery=self.delivery,
+            departures=self.departures,
+            offload_above=offload_above,
+        )
         self.admission = Admission(
             self.store,
             self.history,
@@ -83,22 +100,12 @@ class Coordinator:
             self.calls,
             self.book,
             progress_interval_s=progress_interval_s,
-            evaluate=self.evaluate,
-            recording=self.delivery.recording,
+            decider=self.decider,
+            delivery=self.delivery,
+            departures=self.departures,
             changed=self._changed,
         )
-        self.decider = Decider(
-            self.store,
-            self.options,
-            clock,
-            self.observer,
-            self.book,
-            self.calls,
-            decided=self.delivery.decided,
-            depart=self.admission.depart,
-            offload_above=offload_above,
-        )
-        self.uploads = Uploads(self.store, self.observer, self.evaluate)
+        self.uploads = Uploads(self.store, self.observer, self.decider)
         self.audits = Audits(self.options, self.history, self.observer, clock, self._formed)
         self.stalls = Stalls(self.options, self.history, self.observer, clock, self._formed)
         # A large listing (status page, ListCohorts) is summarised at most this often:

@@ -12,12 +12,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 import structlog
 
-from cohortgate.coordinator.decision.cohort import Member
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.report import judge
 from cohortgate.coordinator.decision.verdict import Decision, Verdict
 from cohortgate.coordinator.service.book import Book
 from cohortgate.coordinator.service.calls import Calls
+from cohortgate.coordinator.service.delivery import Delivery
+from cohortgate.coordinator.service.departures import Departures
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.state.base import CohortStore, LiveCohort
 
@@ -50,7 +51,7 @@ def _workers() -> ProcessPoolExecutor:
 
 class Decider:
     """Decides cohorts and keeps them moving: `evaluate` after every change; the decided
-    ones go to `decided` (record-then-send), a departure to `depart`."""
+    ones go to delivery (record-then-send), members whose calls ended to departures."""
 
     def __init__(
         self,
@@ -61,13 +62,13 @@ class Decider:
         book: Book,
         calls: Calls,
         *,
-        decided: Callable[[LiveCohort], None],
-        depart: Callable[[LiveCohort, Member], None],
+        delivery: Delivery,
+        departures: Departures,
         offload_above: int = OFFLOAD_ABOVE,
     ) -> None:
         self.store, self.options, self.clock = store, options, clock
         self.observer, self.book, self.calls = observer, book, calls
-        self._decided, self._depart = decided, depart
+        self.delivery, self.departures = delivery, departures
         self.offload_above = offload_above
         self.closing = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -94,7 +95,7 @@ class Decider:
         if not state.complete or not self.calls.any_ended(cohort):
             return  # one look per call; members only when a call has ended
         for member in [m for m in state.members.values() if not self.calls.answers(cohort, m)]:
-            self._depart(cohort, member)
+            self.departures.depart(cohort, member)
 
     def _heavy(self, cohort: LiveCohort) -> bool:
         """A complete cohort whose decision walks many layout pieces (coverage) or diffs
@@ -145,7 +146,7 @@ class Decider:
         if not self.store.apply(cohort, decision, verdict, now):
             return
         if cohort.verdict is not None:
-            self._decided(cohort)
+            self.delivery.decided(cohort)
             return
         tracked = self.book.of(cohort)
         tracked.recheck_at = decision.recheck_at

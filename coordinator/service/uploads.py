@@ -4,16 +4,16 @@ then the cohort decided again (an invalid upload refuses it, and every rank lear
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import structlog
 
 from cohortgate.coordinator.contract.digests import combine_uploaded
 from cohortgate.coordinator.contract.manifest import ManifestLike
 from cohortgate.coordinator.decision.cohort import UploadKind
+from cohortgate.coordinator.service.deciding import Decider
 from cohortgate.coordinator.service.observers import Observer
 from cohortgate.coordinator.state.asks import UploadRef
-from cohortgate.coordinator.state.base import CohortStore, InvalidUpload, LiveCohort
+from cohortgate.coordinator.state.base import CohortStore, InvalidUpload
 
 log = structlog.get_logger("cohortgate")
 
@@ -22,10 +22,9 @@ INLINE_DIGESTS = 10_000
 
 
 class Uploads:
-    def __init__(
-        self, store: CohortStore, observer: Observer, evaluate: Callable[[LiveCohort], None]
-    ) -> None:
-        self.store, self.observer, self.evaluate = store, observer, evaluate
+    def __init__(self, store: CohortStore, observer: Observer, decider: Decider) -> None:
+        self.store, self.observer = store, observer
+        self.evaluate = decider.evaluate
 
     def wants(self, ref: UploadRef, kind: UploadKind, claimed: bytes, size: int) -> bool:
         """Before an upload is decoded: is `ref` a member expected to send it (raises if
