@@ -4,7 +4,9 @@ Prints the CPU seconds per cohort (min, median, max of --repeats) and writes JSO
 
 What it leaves out, on purpose: the network, protobuf and the servicer (bench_scale.py
 measures those end to end). What it is for: comparing two versions of the service core on
-the same work, e.g. `PYTHONPATH=<other tree> python bench/bench_core.py`.
+the same work, e.g. `PYTHONPATH=<other tree> python bench/bench_core.py`; and, with several
+--group sizes (`--group 8,64`), what one call costs per group size: the service's work per
+JoinGroup of 64 ranks against one of 8 (issue 40's "work per call, not per rank").
 """
 
 from __future__ import annotations
@@ -55,23 +57,40 @@ async def one_cohort(n: int, group: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4096)
-    parser.add_argument("--group", type=int, default=1, help="ranks per call (a relay's group)")
+    parser.add_argument(
+        "--group",
+        default="1",
+        help="ranks per call (a relay's group; 1: one Join per rank); "
+        "several, comma-separated, to compare the cost of one call across sizes",
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path, default=Path("bench/results/core.json"))
     args = parser.parse_args()
     logs.configure("json", "warning")
-    runs = sorted(asyncio.run(one_cohort(args.ranks, args.group)) for _ in range(args.repeats))
-    row = {
-        "ranks": args.ranks,
-        "group": args.group,
-        "cpu_s": runs,
-        "median_cpu_s": statistics.median(runs),
-    }
-    said = (
-        f"{args.ranks} ranks in calls of {args.group}, one cohort, in-process: CPU {runs[0]:.3f} / "
-        f"{row['median_cpu_s']:.3f} / {runs[-1]:.3f} s (min / median / max of {args.repeats})"
-    )
-    return save_figures(args.json, row, said)
+    rows, said = [], []
+    for group in (int(g) for g in args.group.split(",")):
+        runs = sorted(asyncio.run(one_cohort(args.ranks, group)) for _ in range(args.repeats))
+        median = statistics.median(runs)
+        calls = -(-args.ranks // group)
+        rows.append(
+            {
+                "ranks": args.ranks,
+                "group": group,
+                "cpu_s": runs,
+                "median_cpu_s": median,
+                "median_cpu_per_call_us": median / calls * 1e6,
+            }
+        )
+        said.append(
+            f"{args.ranks} ranks in calls of {group}, one cohort, in-process: CPU "
+            f"{runs[0]:.3f} / {median:.3f} / {runs[-1]:.3f} s (min / median / max of "
+            f"{args.repeats}); {median / calls * 1e6:.0f} us per call"
+        )
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        ratio = last["median_cpu_per_call_us"] / first["median_cpu_per_call_us"]
+        said.append(f"one call of {last['group']} / one call of {first['group']}: {ratio:.2f}")
+    return save_figures(args.json, rows if len(rows) > 1 else rows[0], "\n".join(said))
 
 
 if __name__ == "__main__":

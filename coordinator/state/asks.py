@@ -111,6 +111,10 @@ class Asks:
             asked.append(member)
         return asked
 
+    def open_asks(self) -> list[Ask]:
+        """Every open ask (a few: at most one per kind and class)."""
+        return list(self._open.values())
+
     def oldest(self) -> float | None:
         """When the longest-open ask was made (None when none is open)."""
         return min((a.at for a in self._open.values()), default=None)
