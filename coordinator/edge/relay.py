@@ -17,9 +17,7 @@ before the verdict makes the relay re-join the rest of its group without it.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -37,135 +35,19 @@ from cohortgate.coordinator.edge.plumbing import (
 from cohortgate.coordinator.edge.relay_audits import UPSTREAM_TIMEOUT_S as AUDIT_TIMEOUT_S
 from cohortgate.coordinator.edge.relay_audits import WINDOW_S as AUDIT_WINDOW_S
 from cohortgate.coordinator.edge.relay_audits import RelayAudits
+from cohortgate.coordinator.edge.relay_parts import (
+    GONE,
+    REGROUP_S,
+    Group,
+    GroupKey,
+    Outage,
+    Rank,
+    Status,
+    auth_of,
+    forwarding,
+)
 
 log = structlog.get_logger("cohortgate.relay")
-
-GroupKey = tuple[str, int, int, str]  # job, world size, round, authorization
-# After a rank leaves, the rest of its group re-join this much later: the ranks of a node
-# that is going down leave within it, and nobody is re-joined for them.
-REGROUP_S = 0.3
-
-
-@dataclass(frozen=True)
-class _Status:
-    """An upstream error to pass on to a rank as its own call's status."""
-
-    code: grpc.StatusCode
-    details: str
-
-
-_GONE = _Status(grpc.StatusCode.CANCELLED, "the rank's call ended")
-
-
-@dataclass
-class _Rank:
-    request: pb.JoinRequest
-    # Where its events go: its own call's queue, or (relayed) its lower relay's call's
-    # queue, shared by every rank of that group.
-    events: asyncio.Queue[pb.JoinEvent | _Status] = field(default_factory=asyncio.Queue)
-    told: bool = False  # has had its first progress event
-    relayed: bool = False  # joined by a relay below: it filters progress per rank itself
-
-
-@dataclass
-class _Group:
-    key: GroupKey
-    metadata: Sequence[tuple[str, str]]
-    ranks: dict[int, _Rank] = field(default_factory=dict)
-    timer: asyncio.TimerHandle | None = None
-    call: grpc.aio.Call | None = None  # the upstream call in flight
-    regroup: bool = False  # the upstream call was cancelled because a rank left
-    decided: bool = False
-    bytes: int = 0  # the JoinGroupRequest's size
-    lost: _Outage | None = None  # the upstream is gone, since
-
-
-class _Outage:
-    """The upstream went while a group waited: logged once, the group's ranks told (those
-    that are not quiet: rank 0 prints it), the group re-joined every ~second until the
-    coordinator answers again, and the recovery logged with how long it took."""
-
-    RETRY_S = (0.2, 0.5, 1.0)
-    TELL_EVERY_S = 10.0
-
-    def __init__(self, upstream: str, group: _Group, details: str) -> None:
-        self.upstream = upstream
-        self.since = time.monotonic()
-        self.attempts = 0
-        self.told_at = float("-inf")
-        self.message = (
-            f"the relay lost the coordinator at {upstream} ({_first_line(details)}); "
-            "it holds this node's ranks and re-joins them once it answers"
-        )
-        log.warning(
-            "upstream lost; holding the ranks and re-joining",
-            job=group.key[0],
-            ranks=len(group.ranks),
-            upstream=upstream,
-            error=_first_line(details),
-        )
-
-    async def wait(
-        self,
-        members: dict[int, _Rank],
-        dispatch: Callable[[pb.JoinEvent, dict[int, _Rank]], None],
-    ) -> None:
-        now = time.monotonic()
-        if now - self.told_at >= self.TELL_EVERY_S:
-            self.told_at = now
-            first = next(iter(members.values())).request
-            progress = pb.Progress(
-                job_id=first.job_id,
-                round=first.round,
-                expected=first.world_size,
-                message=f"{self.message} (unreachable for {now - self.since:.0f}s)",
-            )
-            dispatch(pb.JoinEvent(progress=progress), members)
-        await asyncio.sleep(self.RETRY_S[min(self.attempts, len(self.RETRY_S) - 1)])
-        self.attempts += 1
-
-    def over(self, group: _Group) -> None:
-        log.info(
-            "upstream back; the ranks re-joined",
-            job=group.key[0],
-            ranks=len(group.ranks),
-            upstream=self.upstream,
-            unreachable_s=round(time.monotonic() - self.since, 2),
-            attempts=self.attempts,
-        )
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0][:200] if text.strip() else "no details"
-
-
-def _auth(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
-    """The rank's bearer token, passed upstream as it came."""
-    return [
-        (m.key, str(m.value))
-        for m in context.invocation_metadata() or ()
-        if m.key == "authorization"
-    ]
-
-
-async def _forward(method: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-    """A call (its request, or its stream of chunks) passed upstream with the rank's token;
-    its error passed back as it came."""
-    try:
-        return await method(request, metadata=_auth(context), timeout=context.time_remaining())
-    except grpc.aio.AioRpcError as exc:
-        await context.abort(exc.code(), exc.details() or "")
-        raise AssertionError("unreachable") from exc
-
-
-def _forwarding(method: str) -> Any:
-    """A servicer method that forwards its call upstream on `self.raw[method]`."""
-
-    async def forward(self: Relay, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await _forward(self.raw[method], request, context)
-
-    forward.__name__ = method
-    return forward
 
 
 class Relay(pb_grpc.CohortServiceServicer):
@@ -202,7 +84,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         self.polling = poll
         self.window_s = window_s
         self.local_ranks = local_ranks
-        self._pending: dict[GroupKey, _Group] = {}
+        self._pending: dict[GroupKey, Group] = {}
         self._sent: dict[GroupKey, int] = {}  # ranks sent upstream per key, until a verdict
         self._tasks: set[asyncio.Task[None]] = set()
         self.audits = RelayAudits(self._audit_upstream, local_ranks, audit_window_s)
@@ -249,7 +131,7 @@ class Relay(pb_grpc.CohortServiceServicer):
     ) -> pb.AuditReply:
         """The node's audits, batched upstream (relay_audits.py)."""
         try:
-            return await self.audits.audit(request, _auth(context))
+            return await self.audits.audit(request, auth_of(context))
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
             raise AssertionError("unreachable") from exc
@@ -297,7 +179,7 @@ class Relay(pb_grpc.CohortServiceServicer):
     ) -> AsyncIterator[pb.JoinEvent]:
         """Ranks of one call (a rank's Join, or a lower relay's JoinGroup) into the pending
         group of their job; the call's events until the verdict."""
-        auth = _auth(context)
+        auth = auth_of(context)
         first = requests[0]
         key: GroupKey = (first.job_id, first.world_size, first.round, auth[0][1] if auth else "")
         group = self._pending.get(key)
@@ -310,24 +192,24 @@ class Relay(pb_grpc.CohortServiceServicer):
             self._send(group)  # goes as it is; these ranks start the next group
             group = None
         if group is None:
-            group = self._pending[key] = _Group(key, auth)
+            group = self._pending[key] = Group(key, auth)
             group.timer = asyncio.get_running_loop().call_later(self.window_s, self._send, group)
-        events: asyncio.Queue[pb.JoinEvent | _Status] = asyncio.Queue()
-        mine = {r.rank: _Rank(r, events, relayed=relayed) for r in requests}
+        events: asyncio.Queue[pb.JoinEvent | Status] = asyncio.Queue()
+        mine = {r.rank: Rank(r, events, relayed=relayed) for r in requests}
         group.ranks.update(mine)
         group.bytes += size
         # grpc.aio does not always cancel a handler whose client went away; its context's
         # done callback always runs.
-        context.add_done_callback(lambda _: events.put_nowait(_GONE))
+        context.add_done_callback(lambda _: events.put_nowait(GONE))
         if len(group.ranks) + self._sent.get(key, 0) >= self.local_ranks:
             self._send(group)
         decided = False
         try:
             while True:
                 item = await events.get()
-                if item is _GONE:
+                if item is GONE:
                     return
-                if isinstance(item, _Status):
+                if isinstance(item, Status):
                     await context.abort(item.code, item.details)
                     return
                 yield item
@@ -341,11 +223,11 @@ class Relay(pb_grpc.CohortServiceServicer):
 
     # Uploads pass through as they came (raw bytes, or a stream of raw chunks: see
     # RAW_REQUESTS, RAW_CHUNKS) with the rank's token; the answer or error comes back.
-    UploadManifest = _forwarding("UploadManifest")
-    UploadDigests = _forwarding("UploadDigests")
-    UploadFiles = _forwarding("UploadFiles")
-    UploadManifestChunks = _forwarding("UploadManifestChunks")
-    UploadDigestsChunks = _forwarding("UploadDigestsChunks")
+    UploadManifest = forwarding("UploadManifest")
+    UploadDigests = forwarding("UploadDigests")
+    UploadFiles = forwarding("UploadFiles")
+    UploadManifestChunks = forwarding("UploadManifestChunks")
+    UploadDigestsChunks = forwarding("UploadDigestsChunks")
 
     async def JoinGroup(
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
@@ -375,7 +257,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         raise AssertionError("unreachable")  # abort raises
 
     # -- groups ------------------------------------------------------------------------
-    def _send(self, group: _Group) -> None:
+    def _send(self, group: Group) -> None:
         if self._pending.get(group.key) is group:
             del self._pending[group.key]
         if group.timer is not None:
@@ -388,7 +270,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _left(self, group: _Group, rank_id: int, rank: _Rank) -> None:
+    def _left(self, group: Group, rank_id: int, rank: Rank) -> None:
         if group.ranks.get(rank_id) is not rank:
             return
         del group.ranks[rank_id]
@@ -402,7 +284,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         group.call.cancel()
 
     async def _upstream(
-        self, group: _Group, members: dict[int, _Rank]
+        self, group: Group, members: dict[int, Rank]
     ) -> AsyncIterator[pb.JoinEvent]:
         """The group's events from upstream: on a JoinGroup stream (the default: cheaper
         at scale, see README, Performance), or by JoinPoll, a call per event, falling back
@@ -429,7 +311,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         async for event in call:
             yield event
 
-    async def _run(self, group: _Group) -> None:
+    async def _run(self, group: Group) -> None:
         while group.ranks:
             group.regroup = False
             members = dict(group.ranks)
@@ -443,7 +325,7 @@ class Relay(pb_grpc.CohortServiceServicer):
                     if group.ranks:
                         log.info("rank left; re-joining the rest", job=group.key[0])
                     continue
-                status = _Status(
+                status = Status(
                     grpc.StatusCode.UNAVAILABLE,
                     f"the coordinator at {self.upstream} ended the group without a verdict",
                 )
@@ -459,13 +341,13 @@ class Relay(pb_grpc.CohortServiceServicer):
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     await self._unavailable(group, members, exc)
                     continue
-                status = _Status(exc.code(), exc.details() or "")
+                status = Status(exc.code(), exc.details() or "")
             for events in {id(r.events): r.events for r in members.values()}.values():
                 events.put_nowait(status)
             return
 
     async def _unavailable(
-        self, group: _Group, members: dict[int, _Rank], exc: grpc.aio.AioRpcError
+        self, group: Group, members: dict[int, Rank], exc: grpc.aio.AioRpcError
     ) -> None:
         """Before the group re-joins: at once where a standby named the leader (or another
         replica is untried); else the link or the coordinator went (a partition, a
@@ -473,10 +355,10 @@ class Relay(pb_grpc.CohortServiceServicer):
         if self._follow(exc):
             return
         if group.lost is None:
-            group.lost = _Outage(self.upstream, group, exc.details() or "")
+            group.lost = Outage(self.upstream, group, exc.details() or "")
         await group.lost.wait(members, self._dispatch)
 
-    async def _relayed(self, group: _Group, members: dict[int, _Rank]) -> bool:
+    async def _relayed(self, group: Group, members: dict[int, Rank]) -> bool:
         """The group's events to its ranks; True once the verdict went out."""
         async for event in self._upstream(group, members):
             self.upstreams.reached()
@@ -491,7 +373,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         return False
 
     @staticmethod
-    async def _regroup(group: _Group) -> None:
+    async def _regroup(group: Group) -> None:
         """Ranks of a node die together (a Ctrl-C, torchrun tearing its workers down): one
         pause gathers them, so the rest re-join once, not once per dying rank (each re-join
         was a round abandoned upstream)."""
@@ -499,7 +381,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         if group.ranks:
             log.info("rank left; re-joining the rest", job=group.key[0])
 
-    def _dispatch(self, event: pb.JoinEvent, members: dict[int, _Rank]) -> None:
+    def _dispatch(self, event: pb.JoinEvent, members: dict[int, Rank]) -> None:
         kind = event.WhichOneof("event")
         if kind in ("manifest_request", "digest_request"):
             named = (
@@ -511,7 +393,7 @@ class Relay(pb_grpc.CohortServiceServicer):
             if asked is not None:
                 asked.events.put_nowait(event)
             return
-        calls: dict[int, asyncio.Queue[pb.JoinEvent | _Status]] = {}
+        calls: dict[int, asyncio.Queue[pb.JoinEvent | Status]] = {}
         for r in members.values():
             if kind == "progress":
                 # A re-join after a rank left must land in the same round.

@@ -23,7 +23,8 @@ from cohortgate.coordinator.edge.http import MetricsServer
 from cohortgate.coordinator.edge.plumbing import RAW_JOINS, add_service, keepalive_server_options
 from cohortgate.coordinator.edge.ports import BindError, bind, check_free
 from cohortgate.coordinator.edge.replica import Replica
-from cohortgate.coordinator.edge.servicer import CohortServicer, StatusServicer
+from cohortgate.coordinator.edge.servicer import CohortServicer
+from cohortgate.coordinator.edge.status_servicer import StatusServicer
 from cohortgate.coordinator.service.core import Coordinator
 from cohortgate.coordinator.service.metrics import Metrics
 from cohortgate.coordinator.service.observers import Observer

@@ -35,7 +35,6 @@ from cohortgate.coordinator.decision.cohort import UploadKind
 from cohortgate.coordinator.edge import replies, rpc
 from cohortgate.coordinator.edge.auth import Auth
 from cohortgate.coordinator.service.core import Coordinator
-from cohortgate.coordinator.service.status import CohortSummary
 from cohortgate.coordinator.state.base import JoinIntent
 
 log = structlog.get_logger("cohortgate")
@@ -167,7 +166,7 @@ async def answering(
             await _internal(coordinator, context, method, exc)
 
 
-def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]]:
+def metadata_of(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]]:
     return [(m.key, m.value) for m in context.invocation_metadata() or ()]
 
 
@@ -221,7 +220,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
             structlog.contextvars.bind_contextvars(rank=intents[0].member.rank)
         else:
             structlog.contextvars.bind_contextvars(group=len(intents))
-        self.auth.check_job(_metadata(context), job_id)
+        self.auth.check_job(metadata_of(context), job_id)
         return intents
 
     async def _intents(self, method: str, data: bytes) -> tuple[str, list[JoinIntent]]:
@@ -287,7 +286,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         async with answering(self.coordinator, context, "UploadFiles"):
             ref, files = rpc.files_of(request)
             structlog.contextvars.bind_contextvars(job=ref.job_id[:64], rank=ref.rank)
-            self.auth.check_job(_metadata(context), ref.job_id)
+            self.auth.check_job(metadata_of(context), ref.job_id)
             self.coordinator.upload_files(ref, files)
         return pb.UploadFilesResponse()
 
@@ -305,7 +304,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         allowed by the caller's token."""
         head = rpc.upload_header(upload.front, sent)
         structlog.contextvars.bind_contextvars(job=head.job_id[:64], rank=head.rank)
-        self.auth.check_job(_metadata(context), head.job_id)
+        self.auth.check_job(metadata_of(context), head.job_id)
         return head
 
     async def _manifest(self, context: grpc.aio.ServicerContext, upload: Upload) -> None:
@@ -326,7 +325,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         async with answering(self.coordinator, context, "Audit"):
             audits, beats = rpc.audits_of(request, self.limits)
             structlog.contextvars.bind_contextvars(job=beats[0].job_id[:64])
-            self.auth.check_job(_metadata(context), beats[0].job_id)
+            self.auth.check_job(metadata_of(context), beats[0].job_id)
             answers = self.coordinator.audit(audits, beats)
             return pb.AuditReply(answers=[replies.answer_to_pb(a) for a in answers])
         raise AssertionError("unreachable")  # answering aborts the call
@@ -396,95 +395,3 @@ class Upload:
         if received <= INLINE_DECODE_BYTES:
             return b"".join(parts)
         return await asyncio.to_thread(b"".join, parts)  # copies without the GIL
-
-
-class StatusServicer(pb_grpc.StatusServiceServicer):
-    """Status reads: a job token sees its job only; an admin token (or no auth) sees all."""
-
-    def __init__(self, coordinator: Coordinator, auth: Auth | None = None) -> None:
-        self.coordinator = coordinator
-        self.auth = auth or Auth(None)
-        self._listed: tuple[list[CohortSummary] | None, bytes] = (None, b"")
-        self._encodings: dict[int, tuple[CohortSummary, bytes]] = {}
-
-    async def _scope(
-        self, context: grpc.aio.ServicerContext, method: str, job_id: str
-    ) -> tuple[str, str]:
-        """The job filter to apply (the one asked for, or the token's own job), and who
-        asks (the token's scope)."""
-        async with answering(self.coordinator, context, method):
-            grant = self.auth.grant(_metadata(context))
-            if job_id:
-                if not grant.allows(job_id):
-                    self.auth.check_job(_metadata(context), job_id)
-                return job_id, grant.scope
-            return ("" if grant.admin else grant.scope), grant.scope
-        raise AssertionError("unreachable")  # answering aborts the call
-
-    async def ListCohorts(  # type: ignore[override]  # encoded once, sent as bytes
-        self, request: pb.ListCohortsRequest, context: grpc.aio.ServicerContext
-    ) -> bytes:
-        job_id, _ = await self._scope(context, "ListCohorts", request.job_id)
-        summaries = self.coordinator.summaries(job_id)
-        if self._listed[0] is not summaries:  # a large listing is reused for 0.25 s
-            response = pb.ListCohortsResponse(cohorts=[replies.summary_to_pb(s) for s in summaries])
-            self._listed = (summaries, response.SerializeToString())
-        return self._listed[1]
-
-    def _encoded(self, summary: CohortSummary) -> bytes:
-        """A watch tick hands the same summary to every watcher of its job: encoded once."""
-        hit = self._encodings.get(id(summary))
-        if hit is not None and hit[0] is summary:
-            return hit[1]
-        if len(self._encodings) >= 4096:
-            self._encodings.clear()
-        data = replies.summary_to_pb(summary).SerializeToString()
-        self._encodings[id(summary)] = (summary, data)
-        return data
-
-    async def GetCohort(
-        self, request: pb.GetCohortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CohortDetail:
-        job_id, _ = await self._scope(context, "GetCohort", request.job_id)
-        async with answering(self.coordinator, context, "GetCohort", job_id):
-            cohort = self.coordinator.find(job_id, request.round) if job_id else None
-            if cohort is None:
-                what = f"round {request.round} of job" if request.round else "job"
-                raise NotFound(f"no {what} '{request.job_id[:64]}' is held by this coordinator")
-            summary = next(
-                s for s in self.coordinator.summaries(cohort.job_id) if s.round == cohort.round
-            )
-            return replies.detail_to_pb(summary, cohort)
-        raise AssertionError("unreachable")  # answering aborts the call
-
-    async def WatchCohorts(  # type: ignore[override]  # encoded once per tick, sent as bytes
-        self, request: pb.WatchCohortsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes]:
-        job_id, holder = await self._scope(context, "WatchCohorts", request.job_id)
-        async with answering(self.coordinator, context, "WatchCohorts", job_id):
-            async for summary in self.coordinator.watch(job_id, holder):
-                yield self._encoded(summary)
-
-    async def ListAudits(
-        self, request: pb.ListAuditsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListAuditsResponse:
-        job_id, _ = await self._scope(context, "ListAudits", request.job_id)
-        async with answering(self.coordinator, context, "ListAudits", job_id):
-            if not job_id:
-                raise InvalidArgument("ListAudits needs a job_id")
-            found = self.coordinator.audits.findings(job_id)
-            return pb.ListAuditsResponse(audits=[replies.finding_to_pb(f) for f in found])
-        raise AssertionError("unreachable")  # answering aborts the call
-
-    async def GetVerdict(
-        self, request: pb.GetVerdictRequest, context: grpc.aio.ServicerContext
-    ) -> pb.VerdictRecord:
-        job_id, _ = await self._scope(context, "GetVerdict", request.job_id)
-        history = self.coordinator.history
-        async with answering(self.coordinator, context, "GetVerdict", job_id):
-            row = history.get(job_id, request.round) if job_id else None
-            if row is None:
-                what = f"round {request.round} of job" if request.round else "job"
-                raise NotFound(f"no verdict for {what} '{request.job_id[:64]}' in the history")
-            return replies.record_to_pb(row)
-        raise AssertionError("unreachable")  # answering aborts the call
