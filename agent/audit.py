@@ -18,11 +18,11 @@ import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
+from cohortgate.agent.torchrun import CohortStalled, ReplicasDiverged
 from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION, combine
 
 if TYPE_CHECKING:
     import grpc
-    import torch
 
     from cohortgate.agent.torchrun import RankIdentity
     from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
@@ -59,57 +59,6 @@ STALL_GRACE_S = 2.0
 EXIT_STALLED = 6
 
 
-def audit_every() -> int:
-    """COHORTGATE_AUDIT_EVERY: audit only the steps that are a multiple of it (default 1:
-    every call). The same on every rank, so the ranks audit the same steps."""
-    import os
-
-    from cohortgate.agent.torchrun import AgentConfigError
-
-    text = os.environ.get("COHORTGATE_AUDIT_EVERY", "").strip() or "1"
-    if not text.isdigit() or int(text) < 1:
-        raise AgentConfigError(
-            f"COHORTGATE_AUDIT_EVERY={text!r} is not a whole number of steps >= 1 (audit "
-            "every Nth step; unset audits every step)"
-        )
-    return int(text)
-
-
-class CohortStalled(RuntimeError):
-    """No rank of the cohort reached a new step within the stall bound, under `--policy
-    stall=strict`: the report says which rank is where. Raised by cohort.step()."""
-
-    def __init__(self, headline: str, report: str) -> None:
-        super().__init__(f"{headline}\n{report}")
-        self.headline, self.report = headline, report
-
-
-class ReplicasDiverged(RuntimeError):
-    """Replicas that must hold the same weights differ, under `--policy audit=strict`: every
-    rank raises it at the same stop step, with the same report."""
-
-    def __init__(self, step: int, headline: str, report: str) -> None:
-        super().__init__(f"{headline}\n{report}")
-        self.step, self.headline, self.report = step, headline, report
-
-
-def tensor_digests(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> list[tuple[str, bytes]]:
-    """(name, digest) of every parameter and buffer in manifest order, then (with
-    `optimizer`) of every tensor in its state, as `optimizer.state.<param>.<key>`."""
-    from cohortgate.agent.digest import tensor_digest, weight_digests
-
-    out = weight_digests(model)
-    if optimizer is not None:
-        for index, state in sorted(optimizer.state_dict()["state"].items()):
-            for key, value in sorted(state.items()):
-                if hasattr(value, "data_ptr"):
-                    name = f"optimizer.state.{index}.{key}"
-                    out.append((name, tensor_digest(name, value)))
-    return out
-
-
 class Auditor:
     """One rank's audits of one formed cohort."""
 
@@ -129,6 +78,8 @@ class Auditor:
         self.compared_until = 0  # what the coordinator last said it has compared
         self.tensors_pending = False  # a divergence's per-tensor digests still asked for
         self.closing = self.closed = self.raised = False
+        from cohortgate.agent.torchrun import audit_every
+
         self.every = audit_every()
         self._unreachable = False
         self._thread: threading.Thread | None = None
@@ -186,6 +137,8 @@ class Auditor:
         self._raise_if_stopped(step)
         if self.level == "off" or step % (every or self.every):
             return
+        from cohortgate.agent.digest import tensor_digests
+
         tensors = tensor_digests(model, optimizer)
         with self.cond:
             self.kept[step] = tensors

@@ -179,7 +179,8 @@ def _close_at_exit() -> None:
     """A script that ended without cohort.close(): its audits still get their last word.
     Under the strict policy a divergence ends the process with EXIT_DIVERGED (an exception
     raised in an exit hook would leave the exit code 0), once the report is out."""
-    from cohortgate.agent.audit import EXIT_DIVERGED, ReplicasDiverged
+    from cohortgate.agent.audit import EXIT_DIVERGED
+    from cohortgate.agent.torchrun import ReplicasDiverged
 
     for auditor in list(_AUDITORS.values()):
         try:

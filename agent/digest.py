@@ -38,7 +38,15 @@ from typing import TYPE_CHECKING, Any
 from cohortgate.coordinator.contract.digests import FORMAT, combine
 from cohortgate.coordinator.contract.manifest import ManifestError
 
-__all__ = ["FORMAT", "KERNEL", "chunk_sums", "combine", "tensor_digest", "weight_digests"]
+__all__ = [
+    "FORMAT",
+    "KERNEL",
+    "chunk_sums",
+    "combine",
+    "tensor_digest",
+    "tensor_digests",
+    "weight_digests",
+]
 
 if TYPE_CHECKING:
     import torch
@@ -243,4 +251,19 @@ def weight_digests(module: torch.nn.Module) -> list[tuple[str, bytes]]:
         if problem is not None:
             raise ManifestError(f"cannot digest '{name}': {problem}")
         out.append((name, tensor_digest(name, local)))
+    return out
+
+
+def tensor_digests(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[tuple[str, bytes]]:
+    """(name, digest) of every parameter and buffer in manifest order, then (with
+    `optimizer`) of every tensor in its state, as `optimizer.state.<param>.<key>`."""
+    out = weight_digests(model)
+    if optimizer is not None:
+        for index, state in sorted(optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                if hasattr(value, "data_ptr"):
+                    name = f"optimizer.state.{index}.{key}"
+                    out.append((name, tensor_digest(name, value)))
     return out

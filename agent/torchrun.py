@@ -186,3 +186,33 @@ def write_error_file(path: str | None, summary: str, report: str) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(partial)
+
+
+def audit_every() -> int:
+    """COHORTGATE_AUDIT_EVERY: audit only the steps that are a multiple of it (default 1:
+    every call). The same on every rank, so the ranks audit the same steps."""
+    text = os.environ.get("COHORTGATE_AUDIT_EVERY", "").strip() or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise AgentConfigError(
+            f"COHORTGATE_AUDIT_EVERY={text!r} is not a whole number of steps >= 1 (audit "
+            "every Nth step; unset audits every step)"
+        )
+    return int(text)
+
+
+class CohortStalled(RuntimeError):
+    """No rank of the cohort reached a new step within the stall bound, under `--policy
+    stall=strict`: the report says which rank is where. Raised by cohort.step()."""
+
+    def __init__(self, headline: str, report: str) -> None:
+        super().__init__(f"{headline}\n{report}")
+        self.headline, self.report = headline, report
+
+
+class ReplicasDiverged(RuntimeError):
+    """Replicas that must hold the same weights differ, under `--policy audit=strict`: every
+    rank raises it at the same stop step, with the same report."""
+
+    def __init__(self, step: int, headline: str, report: str) -> None:
+        super().__init__(f"{headline}\n{report}")
+        self.step, self.headline, self.report = step, headline, report

@@ -13,12 +13,11 @@ from cohortgate.coordinator.contract.layout import Layout, LayoutBuilder, config
 from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest, ManifestError
 
 if TYPE_CHECKING:
-    from cohortgate.agent.audit import CohortStalled, ReplicasDiverged
     from cohortgate.agent.cohort import Cohort, CohortRefused, init_process_group, join
     from cohortgate.agent.dtensor import dtensor_pieces
     from cohortgate.agent.identity import tokenizer_fingerprint
     from cohortgate.agent.signature import manifest
-    from cohortgate.agent.torchrun import CohortgateError
+    from cohortgate.agent.torchrun import CohortgateError, CohortStalled, ReplicasDiverged
 
 __all__ = [
     "Cohort",
@@ -52,8 +51,8 @@ _LAZY = {
     "Cohort": "cohortgate.agent.cohort",
     "CohortRefused": "cohortgate.agent.cohort",
     "CohortgateError": "cohortgate.agent.torchrun",
-    "ReplicasDiverged": "cohortgate.agent.audit",
-    "CohortStalled": "cohortgate.agent.audit",
+    "ReplicasDiverged": "cohortgate.agent.torchrun",
+    "CohortStalled": "cohortgate.agent.torchrun",
     "tokenizer_fingerprint": "cohortgate.agent.identity",
 }
 

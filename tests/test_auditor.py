@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from cohortgate.agent.audit import Auditor, ReplicasDiverged
-from cohortgate.agent.torchrun import RankIdentity
+from cohortgate.agent.audit import Auditor
+from cohortgate.agent.torchrun import RankIdentity, ReplicasDiverged
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from tests.helpers import REPO, InProcessCoordinator, wait_until
 from tests.test_audits_grpc import formed, list_audits
@@ -164,7 +164,8 @@ def test_a_pause_on_purpose_is_told_at_once_and_is_no_stall(
 STRICT_SCRIPT = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from cohortgate.agent.audit import Auditor, CohortStalled
+from cohortgate.agent.audit import Auditor
+from cohortgate.agent.torchrun import CohortStalled
 from tests.test_auditor import identity
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 v = pb.Verdict.FromString(bytes.fromhex({verdict!r}))

@@ -225,7 +225,7 @@ def test_audits_outlive_the_jobs_retention_and_are_still_compared() -> None:
 def test_the_optimizer_state_is_digested_with_the_weights() -> None:
     import torch
 
-    from cohortgate.agent.audit import tensor_digests
+    from cohortgate.agent.digest import tensor_digests
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
