@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cohortgate.agent.torchrun import CohortgateError, RankIdentity, say
+from cohortgate.agent.reachability import Reachability, say_progress
+from cohortgate.agent.torchrun import CohortgateError, RankIdentity
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec import wire
@@ -97,14 +98,6 @@ class JoinOptions:
             )
 
 
-def _say(message: str) -> None:
-    """Progress goes to our logger; where the host program configured none, to stderr."""
-    if logger.hasHandlers():
-        logger.info(message)
-    else:
-        say(f"[cohortgate] {message}")
-
-
 def runtime_facts(device_type: str) -> pb.RuntimeFacts:
     import torch
 
@@ -167,7 +160,7 @@ def join(
         request.weights_digest = combine(zip(names, digests, strict=True))
         request.weights_digest_format = DIGEST_FORMAT_VERSION
     started = time.monotonic()
-    reach = _Reachability(identity, started + opts.timeout_s, opts)
+    reach = Reachability(identity, started + opts.timeout_s, opts)
     security = ClientSecurity.from_env()
     upstream = reach.upstream = Upstream(identity.addr)
     channels: dict[str, grpc.Channel] = {}
@@ -221,7 +214,7 @@ def _join_loop(
     on_progress: Callable[[pb.Progress], None] | None,
     security: ClientSecurity,
     digests: Sequence[bytes] | None,
-    reach: _Reachability,
+    reach: Reachability,
     started: float,
 ) -> pb.Verdict:
     give_up_at = started + opts.timeout_s
@@ -303,80 +296,6 @@ def _too_large(request: pb.JoinRequest, details: str) -> str:
     )
 
 
-def _transport(details: str) -> str:
-    """grpc's long UNAVAILABLE text -> what went wrong, in words."""
-    if "standby" in details:  # a replica's own words (which may quote etcd's error)
-        return details
-    for needle, words in (
-        ("Connection refused", "connection refused (nothing listens there)"),
-        ("Domain name not found", "host name not found"),
-        ("lookup", "host name not found"),
-        ("Connection reset", "connection reset"),
-        ("timed out", "connection timed out"),
-        ("Timeout", "connection timed out"),
-        ("No route to host", "no route to host"),
-        ("shutting down", "the coordinator is shutting down"),
-    ):
-        if needle in details:
-            return words
-    return details
-
-
-class _Reachability:
-    """Says on stderr, early and then now and then, that the coordinator cannot be reached:
-    silence until COHORTGATE_TIMEOUT (15 minutes) looks exactly like a hang."""
-
-    def __init__(self, identity: RankIdentity, give_up_at: float, opts: JoinOptions) -> None:
-        self.identity = identity
-        self.give_up_at = give_up_at
-        self.opts = opts
-        self.failing_since: float | None = None
-        self.last = ""
-        # A replica's own words that it stands by, seen since the coordinator was last
-        # reached: while one answers, no replica leads (whatever the others' errors say).
-        self.standby = ""
-        self.said_at: float | None = None
-        self.upstream: Upstream | None = None
-
-    def failed(self, details: str) -> None:
-        now = time.monotonic()
-        if self.failing_since is None:
-            self.failing_since = now
-        self.last = _transport(details)
-        if "standby" in self.last:
-            self.standby = self.last
-        if now - self.failing_since < self.opts.unreachable_after_s:
-            return
-        if self.said_at is not None and now - self.said_at < self.opts.unreachable_every_s:
-            return
-        self.said_at = now
-        until = time.strftime("%H:%M:%S", time.localtime(time.time() + self.give_up_at - now))
-        message = (
-            f"cannot reach the cohortgate coordinator at {self.identity.addr}: {self.last}; "
-            f"retrying until {until} (COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
-        )
-        if self.standby:
-            also = f" (and: {self.last})" if self.last != self.standby else ""
-            message = (
-                f"no cohortgate coordinator at {self.identity.addr} leads now: "
-                f"{self.standby}{also}; asking again every half second until {until} "
-                f"(COHORTGATE_TIMEOUT={self.opts.timeout_s:g}s)"
-            )
-        if self.identity.rank == 0:
-            _say(message)
-        else:
-            logger.debug("rank %d: %s", self.identity.rank, message)
-
-    def reached(self) -> None:
-        if self.upstream is not None:
-            self.upstream.reached()
-        if self.said_at is not None and self.identity.rank == 0:
-            at = self.upstream.current if self.upstream is not None else self.identity.addr
-            _say(f"reached the cohortgate coordinator at {at}")
-        self.failing_since = self.said_at = None
-        self.standby = ""
-
-
 def _answer(
     rpc: Callable[..., object],
     request: pb.UploadManifestRequest | pb.UploadDigestsRequest,
@@ -393,7 +312,7 @@ def _answer(
     except grpc.RpcError as exc:
         if exc.code() in RETRYABLE:
             raise  # the join is retried and the coordinator asks again
-        _say(f"rank {identity.rank}: the coordinator refused our {what}: {exc.details()}")
+        say_progress(f"rank {identity.rank}: the coordinator refused our {what}: {exc.details()}")
 
 
 def _answer_files(
@@ -420,7 +339,9 @@ def _answer_files(
     except grpc.RpcError as exc:
         if exc.code() in RETRYABLE:
             raise
-        _say(f"rank {identity.rank}: the coordinator refused our code files: {exc.details()}")
+        say_progress(
+            f"rank {identity.rank}: the coordinator refused our code files: {exc.details()}"
+        )
 
 
 def _stream(
@@ -432,7 +353,7 @@ def _stream(
     on_progress: Callable[[pb.Progress], None] | None,
     metadata: Sequence[tuple[str, str]] = (),
     digests: Sequence[bytes] | None = None,
-    reach: _Reachability | None = None,
+    reach: Reachability | None = None,
 ) -> pb.Verdict:
     # Not wait_for_ready: an unreachable coordinator must fail the call at once, so that
     # the loop above can say so and retry, instead of blocking silently until the deadline.
@@ -465,7 +386,9 @@ def _stream(
                 now = time.monotonic()
                 if identity.rank == 0 and now - last_said >= PROGRESS_EVERY_S:
                     last_said = now
-                    _say(f"job {progress.job_id} round {progress.round}: {progress.message}")
+                    say_progress(
+                        f"job {progress.job_id} round {progress.round}: {progress.message}"
+                    )
         raise CohortgateError(
             f"the cohortgate coordinator at {identity.addr} ended the join of rank "
             f"{identity.rank} without a verdict"

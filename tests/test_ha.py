@@ -466,14 +466,15 @@ def test_rank_0_says_no_replica_leads_while_a_standby_answers_whatever_the_other
     """After a kill the dead leader's address refuses connections while the standby answers
     that it stands by: rank 0 says no replica leads (the standby's words), not that
     nothing listens."""
-    from cohortgate.agent.client import JoinOptions, _Reachability
+    from cohortgate.agent.client import JoinOptions
+    from cohortgate.agent.reachability import Reachability
     from cohortgate.agent.torchrun import RankIdentity
 
     identity = RankIdentity(
         job_id="j", rank=0, world_size=2, local_rank=0, host="h", pid=1, incarnation="i",
         restart_count=0, addr="a:1,b:2", error_file=None, endpoint_host="127.0.0.1",
     )  # fmt: skip
-    reach = _Reachability(identity, time.monotonic() + 60, JoinOptions(unreachable_after_s=0))
+    reach = Reachability(identity, time.monotonic() + 60, JoinOptions(unreachable_after_s=0))
     caplog.set_level("INFO", logger="cohortgate.agent")  # where rank 0 says it (a handler)
     reach.failed("this coordinator is a standby; the leader is at a:1")
     caplog.clear()
