@@ -24,7 +24,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from urllib.parse import quote
 
 import structlog
@@ -33,12 +33,11 @@ from cohortgate.coordinator.contract.errors import Unavailable
 from cohortgate.coordinator.decision.verdict import AuditFinding, Verdict
 from cohortgate.coordinator.etcd.client import EtcdError, EtcdThread, created_at, prefix_end, put_op
 from cohortgate.coordinator.state.base import ErrorListener, VerdictRow, VerdictStore
+from cohortgate.coordinator.state.etcd_records import Entry, listing, pack, row_of
 from cohortgate.coordinator.state.records import (
     members_from_text,
-    members_to_text,
     received,
     verdict_from_json,
-    verdict_to_json,
     with_queued,
 )
 
@@ -55,37 +54,6 @@ PAGE = 256  # keys per Range page when catching up
 WRITE_TRIES = 3
 READ_WAIT_S = 0.5  # a read of an old record, from the event loop: never longer
 UNPACKED = 16  # records kept unpacked (the last read), whatever their size
-_MAGIC = b"cg1"
-_LISTED = ("cohort_id", "job_id", "round", "outcome", "cause", "reason", "report")
-
-
-def pack(row: VerdictRow) -> bytes:
-    body = {
-        "row": {k: getattr(row, k) for k in _LISTED}
-        | {"world_size": row.world_size, "decided_at": row.decided_at},
-        "record": None if row.verdict is None else verdict_to_json(row.verdict),
-        "members": members_to_text(row.members),
-    }
-    # level 1: within 2% of level 3 on the incarnations (random hex), in 60% of the time
-    return _MAGIC + zlib.compress(json.dumps(body).encode(), 1)
-
-
-@dataclass
-class _Entry:
-    row: VerdictRow  # the listing (no members, no verdict)
-    parts: int
-    packed: bytes | None  # the record, when held in memory
-
-    def unpacked(self) -> tuple[str | None, str]:
-        """(the verdict's JSON, the members' text)."""
-        assert self.packed is not None
-        body = json.loads(zlib.decompress(self.packed[len(_MAGIC) :]))
-        return body["record"], str(body["members"])
-
-
-def _row_of(packed: bytes) -> VerdictRow:
-    body = json.loads(zlib.decompress(packed[len(_MAGIC) :]))
-    return VerdictRow(**body["row"])
 
 
 class EtcdHistory(VerdictStore):
@@ -111,7 +79,7 @@ class EtcdHistory(VerdictStore):
         self.readonly = readonly
         self.listeners: list[ErrorListener] = []
         self._lock = threading.Lock()
-        self._jobs: dict[str, dict[int, _Entry]] = {}
+        self._jobs: dict[str, dict[int, Entry]] = {}
         self._unpacked: OrderedDict[tuple[str, int], tuple[str | None, str]] = OrderedDict()
         self._revision = 0  # etcd revision the cache has caught up to
         self._pending = 0
@@ -170,14 +138,14 @@ class EtcdHistory(VerdictStore):
             if head is not None:  # a record in parts: its listing is in the head
                 row, parts, packed = VerdictRow(**head["row"]), int(head["parts"]), None
             else:
-                row, parts, packed = _row_of(value), 0, value
+                row, parts, packed = row_of(value), 0, value
         except (ValueError, KeyError, TypeError, zlib.error) as exc:
             log.warning("unreadable verdict in etcd; skipped", key=key.decode(errors="replace"))
             self._failed("read", exc)
             return
-        self._keep(_Entry(row, parts, packed))
+        self._keep(Entry(row, parts, packed))
 
-    def _keep(self, entry: _Entry) -> None:
+    def _keep(self, entry: Entry) -> None:
         with self._lock:
             rounds = self._jobs.setdefault(entry.row.job_id, {})
             rounds[entry.row.round] = entry
@@ -244,7 +212,7 @@ class EtcdHistory(VerdictStore):
                 if not rounds:
                     del self._jobs[job]
 
-    def _entries(self) -> list[_Entry]:
+    def _entries(self) -> list[Entry]:
         with self._lock:
             return [e for rounds in self._jobs.values() for e in rounds.values()]
 
@@ -266,7 +234,7 @@ class EtcdHistory(VerdictStore):
             if parts is None:
                 return
             self._error = ""
-            self._keep(_Entry(replace(row, members={}, verdict=None), parts, packed))
+            self._keep(Entry(replace(row, members={}, verdict=None), parts, packed))
             if written is not None:
                 written()
         finally:
@@ -305,9 +273,7 @@ class EtcdHistory(VerdictStore):
                 raise EtcdError(f"a verdict record of {len(packed)} bytes is over the bound")
             for i, part in enumerate(parts):
                 await self.etcd.client.put(self._part_key(row.job_id, row.round, i), part)
-            head = {k: getattr(row, k) for k in _LISTED}
-            head |= {"world_size": row.world_size, "decided_at": row.decided_at}
-            value = json.dumps({"row": head, "parts": len(parts)}).encode()
+            value = json.dumps({"row": listing(row), "parts": len(parts)}).encode()
         # Fenced, and never over another verdict of the round (one round, one verdict).
         reply = await self.etcd.client.txn(
             [created_at(self.leader_key, token), created_at(key, 0)], [put_op(key, value)]
@@ -326,7 +292,7 @@ class EtcdHistory(VerdictStore):
         reply = await self.etcd.client.range(self._key(job_id, round_))
         return reply.kvs[0].value if reply.kvs else None
 
-    async def _load(self, entry: _Entry) -> bytes:
+    async def _load(self, entry: Entry) -> bytes:
         """The packed record of `entry`, from etcd (old, or in parts)."""
         row = entry.row
         if entry.parts:
@@ -353,7 +319,7 @@ class EtcdHistory(VerdictStore):
         with self._lock:
             return self._pending
 
-    def _record_of(self, entry: _Entry) -> tuple[str | None, str]:
+    def _record_of(self, entry: Entry) -> tuple[str | None, str]:
         """(the verdict's JSON, its members' text): unpacked once for the last UNPACKED
         records read (a failover's re-joining ranks each look their verdict up), read from
         etcd only for a record not held (an old round, or one in parts)."""
@@ -371,7 +337,7 @@ class EtcdHistory(VerdictStore):
                 raise Unavailable(
                     f"the verdict history in etcd cannot be read now ({exc}); retry"
                 ) from None
-        body = _Entry(entry.row, 0, packed).unpacked()
+        body = Entry(entry.row, 0, packed).unpacked()
         with self._lock:
             self._unpacked[key] = body
             while len(self._unpacked) > UNPACKED:
