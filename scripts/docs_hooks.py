@@ -9,9 +9,11 @@ their words (from the check registry) and the gRPC API (from the .proto's commen
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,19 +24,12 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _subparsers() -> dict[str, argparse.ArgumentParser]:
-    from cohortgate.coordinator.cli.main import build_parser
-
-    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
 def cli() -> str:
     """Every command with every flag: its help says its meaning, default and variable."""
     from cohortgate.coordinator.cli.run import RUN_USAGE
 
     out = []
-    for name, parser in _subparsers().items():
+    for name, parser in _CHECKER.subparsers().items():
         out.append(f"## cohortgate {name}\n")
         if name == "run":  # its own usage text: the rest goes to torchrun unchanged
             out.append(f"```text\n{RUN_USAGE}```\n")
@@ -384,115 +379,19 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
     return MARKER.sub(render, markdown)
 
 
-# -- commands in the docs: a flag renamed in the code fails the build ------------------------
-BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
-SHELL = ("sh", "bash", "console")
+def _commands_checker() -> ModuleType:
+    """scripts/docs_commands.py, loaded by its path as MkDocs loads this hook."""
+    path = Path(__file__).resolve().parent / "docs_commands.py"
+    spec = importlib.util.spec_from_file_location("docs_commands", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _options(parser: argparse.ArgumentParser) -> set[str]:
-    return {o for a in parser._actions for o in a.option_strings}
-
-
-def _known() -> dict[str, set[str]]:
-    """command -> the options it takes; `run` takes its own and torchrun's; each example
-    script (examples/NAME.py) its own, from its --help."""
-    from torch.distributed.run import get_args_parser
-
-    from cohortgate.coordinator.cli.run import OWN_OPTIONS
-
-    known = {f"cohortgate {name}": _options(p) for name, p in _subparsers().items()}
-    torchrun = _options(get_args_parser())
-    known["cohortgate run"] = set(OWN_OPTIONS) | torchrun
-    known["torchrun"] = torchrun
-    known.update(_example_options())
-    return known
-
-
-def _example_options() -> dict[str, set[str]]:
-    """examples/NAME.py -> the options its --help names (the scripts that parse arguments;
-    the others are never run here)."""
-    import subprocess
-    import sys
-
-    out = {}
-    for script in sorted((REPO / "examples").glob("*.py")):
-        if "argparse" not in script.read_text():
-            continue
-        done = subprocess.run(
-            [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120
-        )
-        if done.returncode != 0:
-            raise ValueError(f"{script.name} --help failed: {done.stderr[-500:]}")
-        out[f"examples/{script.name}"] = set(re.findall(r"--[\w-]+", done.stdout))
-    return out
-
-
-def _commands(script: str) -> list[list[str]]:
-    """The simple commands of a shell snippet (continuations joined, comments dropped)."""
-    import shlex
-
-    out = []
-    for line in script.replace("\\\n", " ").splitlines():
-        try:
-            words = shlex.split(line, comments=True)
-        except ValueError:
-            continue
-        command: list[str] = []
-        for word in [*words, ";"]:
-            if word in (";", "&&", "||", "|", "&"):
-                out.append(command)
-                command = []
-            else:
-                command.append(word)
-    return [c for c in out if c]
-
-
-INLINE = re.compile(r"`(cohortgate [^`]+)`")
-
-
-def flag_uses(markdown: str, known: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """(command, --flag) for each flag a known command is given in the shell blocks of
-    `markdown` and in its inline `cohortgate ...` spans. A command's options end at the
-    script it runs (an example script's are then its own: checked as that script's)."""
-    snippets = [b.group(2) for b in BLOCK.finditer(markdown) if b.group(1) in SHELL]
-    outside = BLOCK.sub("", markdown)
-    snippets += INLINE.findall(outside)
-    found = []
-    for snippet in snippets:
-        for command in _commands(snippet):
-            words = [w for w in command if "=" not in w or w.startswith("-")]  # VAR=x cmd
-            found += _uses(words, known)
-    return found
-
-
-def _uses(words: list[str], known: dict[str, set[str]]) -> list[tuple[str, str]]:
-    found = []
-    for i, word in enumerate(words):
-        name = Path(word).name
-        if name == "cohortgate" and i + 1 < len(words):
-            key = f"cohortgate {words[i + 1]}"
-        elif word.endswith(".py") and f"examples/{name}" in known:
-            key = f"examples/{name}"
-        else:
-            key = name
-        if key not in known:
-            continue
-        for j, arg in enumerate(words[i + 1 :], start=i + 1):
-            if arg.endswith(".py") or arg == "-m":
-                found += _uses(words[j:], known) if arg.endswith(".py") else []
-                break
-            if arg.startswith("--"):
-                found.append((key, arg.split("=", 1)[0]))
-        break
-    return found
-
-
-def unknown_flags(markdown: str, known: dict[str, set[str]] | None = None) -> list[str]:
-    """`cohortgate COMMAND --flag`, `torchrun --flag` and `examples/NAME.py --flag` in the
-    shell blocks (and inline `cohortgate ...` spans) of `markdown` whose flag the command
-    does not take."""
-    known = _known() if known is None else known
-    return [f"{key} {flag}" for key, flag in flag_uses(markdown, known) if flag not in known[key]]
+_CHECKER = _commands_checker()
+_known, flag_uses = _CHECKER.known_commands, _CHECKER.flag_uses
+unknown_flags = _CHECKER.unknown_flags
 
 
 def on_files(files: Any, config: Any) -> Any:
