@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +17,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helpers import coordinator_process, freeze, log_events, serving_pid
+from tests.helpers import (
+    TRAIN,
+    coordinator_process,
+    freeze,
+    launch,
+    launch_env,
+    log_events,
+    serving_pid,
+)
 
 SERVICE = "cohortgate.v1.CohortService"
 
@@ -128,3 +138,36 @@ def metric(replica: Replica, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def held_job(
+    tmp: Path, addrs: str, job: str, hold: Path, *, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """A 4-rank torchrun job whose ranks 2 and 3 join once `hold` exists."""
+    args = [
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        str(TRAIN),
+        "--steps",
+        "1",
+        "--hold-rank",
+        "2",
+        "--hold-rank",
+        "3",
+        "--hold-file",
+        str(hold),
+    ]
+    environment = launch_env(
+        tmp, COHORTGATE_ADDR=addrs, COHORTGATE_JOB=job, MASTER_ADDR="127.0.0.1", **(env or {})
+    )
+    return launch(args, environment, tmp), args
+
+
+def formed_ids(out: str) -> set[str]:
+    return set(re.findall(r"cohort (\S+) formed, all_reduce sum 10", out))
