@@ -24,13 +24,11 @@ from tests.helpers import (
     kill_group,
     launch,
     launch_env,
-    manifest_of,
     two_node_args,
     wait_joined,
 )
 from tests.netfault import FaultProxy
 
-M = manifest_of()
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 TTL = 2

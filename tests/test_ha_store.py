@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from grpc_health.v1 import health_pb2
 
 from cohortgate.coordinator.etcd import etcd_pb2 as epb
 from cohortgate.coordinator.etcd.client import EtcdError, EtcdSettings, EtcdThread, prefix_end
@@ -20,14 +19,8 @@ from cohortgate.coordinator.state.base import VerdictRow
 from cohortgate.coordinator.state.etcd_history import EtcdHistory
 from tests.etcd import EtcdServer, etcd_server
 from tests.etcd import prefix as etcd_prefix
-from tests.helpers import (
-    manifest_of,
-)
 from tests.test_store_contract import verdict_of
 
-M = manifest_of()
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 TTL = 2
 
 
