@@ -32,14 +32,8 @@ os.environ["PATH"] = f"{REPO / '.venv' / 'etcd' / 'usr' / 'bin'}:{os.environ['PA
 
 from tests.etcd import EtcdServer  # noqa: E402
 from tests.ha import Replica, wait_leader  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    agent_rank,
-    coordinator_process,
-    manifest_of,
-    save_figures,
-    serving_pid,
-    wait_joined,
-)
+from tests.helpers import manifest_of, save_figures, serving_pid, wait_joined  # noqa: E402
+from tests.launches import agent_rank, coordinator_process  # noqa: E402
 
 
 def _replica(stack: contextlib.ExitStack, tmp: Path, etcd: str, prefix: str, ttl: int) -> Replica:

@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.helpers import free_port, freeze, kill_group, program
+from tests.helpers import free_port
+from tests.launches import freeze, kill_group, program
 
 
 class EtcdServer:

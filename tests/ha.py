@@ -17,15 +17,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helpers import (
-    TRAIN,
-    coordinator_process,
-    freeze,
-    launch,
-    launch_env,
-    log_events,
-    serving_pid,
-)
+from tests.helpers import log_events, serving_pid
+from tests.launches import TRAIN, coordinator_process, freeze, launch, launch_env
 
 SERVICE = "cohortgate.v1.CohortService"
 

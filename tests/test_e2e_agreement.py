@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    REPO,
+from tests.helpers import REPO, free_port, log_events
+from tests.launches import (
     TRAIN,
     coordinator_process,
     finish,
-    free_port,
     launch,
     launch_env,
-    log_events,
     torchrun,
     two_node_args,
 )

@@ -15,12 +15,11 @@ import pytest
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from tests.helpers import (
-    REPO,
+from tests.helpers import REPO, free_port
+from tests.launches import (
     TRAIN,
     coordinator_process,
     finish,
-    free_port,
     kill_group,
     launch,
     launch_env,

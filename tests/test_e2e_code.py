@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    REPO,
-    coordinator_process,
-    finish,
-    free_port,
-    launch,
-    launch_env,
-    python_c,
-    two_node_args,
-)
+from tests.helpers import REPO, free_port, python_c
+from tests.launches import coordinator_process, finish, launch, launch_env, two_node_args
 
 SCRIPT = """
 import sys

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
+from tests.helpers import free_port
+from tests.launches import (
     TRAIN,
     coordinator_process,
     finish,
-    free_port,
     kill_group,
     launch,
     launch_env,

@@ -14,18 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
+from tests.helpers import free_port, log_events, wait_until
+from tests.launches import (
     TRAIN,
     coordinator_process,
     finish,
-    free_port,
     kill_group,
     kill_job_workers,
     launch,
     launch_env,
-    log_events,
     two_node_args,
-    wait_until,
 )
 from tests.netfault import FaultProxy
 from tests.test_e2e_audits import audits_of, host_of

@@ -10,16 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    REPO,
-    TRAIN,
-    coordinator_process,
-    finish,
-    launch,
-    launch_env,
-    log_events,
-    torchrun,
-)
+from tests.helpers import REPO, log_events
+from tests.launches import TRAIN, coordinator_process, finish, launch, launch_env, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -22,15 +22,13 @@ from cohortgate.coordinator.cli.launch import LaunchError, job_id, parse_torchru
 from tests.helpers import (
     InProcessCoordinator,
     RankResult,
-    coordinator_process,
     free_port,
     join_request,
-    kill_group,
     manifest_of,
     run_rank,
-    session,
     wait_joined,
 )
+from tests.launches import coordinator_process, kill_group, session
 
 pytestmark = pytest.mark.timeout(120)
 

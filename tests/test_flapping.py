@@ -18,14 +18,8 @@ from cohortgate.coordinator.decision.admit import ROUNDS_KEPT
 from cohortgate.coordinator.decision.verdict import Outcome
 from cohortgate.coordinator.state.base import JoinIntent
 from cohortgate.coordinator.state.memory import MemoryStore
-from tests.helpers import (
-    InProcessCoordinator,
-    agent_rank,
-    decide_in,
-    manifest_of,
-    member_of,
-    wait_joined,
-)
+from tests.helpers import InProcessCoordinator, decide_in, manifest_of, member_of, wait_joined
+from tests.launches import agent_rank
 from tests.netfault import FaultProxy
 from tests.test_relay_faults import relay_process
 

@@ -21,12 +21,8 @@ from cohortgate.coordinator.codec.leader import LEADER_KEY, Upstream
 from tests.etcd import EtcdServer
 from tests.etcd import prefix as etcd_prefix
 from tests.ha import metric, replicas, roles, status_json, wait_leader
-from tests.helpers import (
-    agent_rank,
-    join_request,
-    manifest_of,
-    wait_joined,
-)
+from tests.helpers import join_request, manifest_of, wait_joined
+from tests.launches import agent_rank
 
 M = manifest_of()
 SERVING = health_pb2.HealthCheckResponse.SERVING

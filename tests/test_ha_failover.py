@@ -17,16 +17,8 @@ from cohortgate.coordinator.state.etcd_history import EtcdHistory
 from tests.etcd import EtcdServer, etcd_server
 from tests.etcd import prefix as etcd_prefix
 from tests.ha import formed_ids, held_job, metric, replicas, roles, stamp, wait_leader
-from tests.helpers import (
-    TRAIN,
-    finish,
-    free_port,
-    kill_group,
-    launch,
-    launch_env,
-    two_node_args,
-    wait_joined,
-)
+from tests.helpers import free_port, wait_joined
+from tests.launches import TRAIN, finish, kill_group, launch, launch_env, two_node_args
 from tests.netfault import FaultProxy
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

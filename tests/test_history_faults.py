@@ -24,13 +24,13 @@ from cohortgate.coordinator.codec import wire
 from cohortgate.coordinator.state.history import HistoryError
 from tests.helpers import (
     InProcessCoordinator,
-    coordinator_process,
     join_request,
     manifest_of,
     run_cohort,
     run_rank,
     serving_pid,
 )
+from tests.launches import coordinator_process
 
 pytestmark = pytest.mark.timeout(120)
 COHORTS = 20

@@ -23,18 +23,14 @@ from cohortgate.coordinator.state.base import JoinIntent
 from cohortgate.coordinator.state.memory import MemoryStore
 from tests.helpers import (
     REPO,
-    TRAIN,
     InProcessCoordinator,
-    finish,
     free_port,
     join_request,
-    kill_group,
-    launch,
-    launch_env,
     manifest_of,
     member_of,
     run_cohort,
 )
+from tests.launches import TRAIN, finish, kill_group, launch, launch_env
 from tests.test_relay_faults import relay_process
 
 CLI = [sys.executable, "-m", "cohortgate.coordinator.cli"]

@@ -30,19 +30,16 @@ from cohortgate.coordinator.service.metrics import Metrics
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
-    agent_rank,
-    coordinator_process,
     free_port,
     join_request,
-    kill_group,
     log_events,
     manifest_of,
-    program,
     run_cohort,
     run_rank,
     serving_pid,
     wait_joined,
 )
+from tests.launches import agent_rank, coordinator_process, kill_group, program
 
 CLI = [sys.executable, "-m", "cohortgate.coordinator.cli"]
 

@@ -72,7 +72,7 @@ def test_a_rank_whose_joins_go_overdue_gives_up_in_time_and_says_why(
     here, which is how it looks when grpc's does not fire at all.)"""
     from cohortgate.agent import client
     from cohortgate.agent.torchrun import CohortgateError
-    from tests.helpers import agent_rank
+    from tests.launches import agent_rank
 
     monkeypatch.setattr(client, "OVERDUE_S", -2.0)  # 3 s joins: cancelled after 1 s
     started = time.monotonic()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, coordinator_process, finish, launch_env, sandboxed_env, session
+from tests.helpers import REPO
+from tests.launches import coordinator_process, finish, launch_env, sandboxed_env, session
 
 JOB = """\
 import cohortgate, torch

@@ -23,15 +23,13 @@ from tests.helpers import (
     REPO,
     InProcessCoordinator,
     free_port,
-    freeze,
     join_request,
-    kill_group,
     log_events,
     manifest_of,
     run_rank,
-    session,
     wait_until,
 )
+from tests.launches import freeze, kill_group, session
 from tests.netfault import FaultProxy
 
 GRACE = 2.0

@@ -22,10 +22,7 @@ from cohortgate.coordinator.contract.manifest import Manifest
 from tests.helpers import (
     REPO,
     RankResult,
-    coordinator_process,
     join_request,
-    kill_group,
-    launch,
     log_events,
     manifest_of,
     metric_total,
@@ -35,6 +32,7 @@ from tests.helpers import (
     run_rank,
     tensors_of,
 )
+from tests.launches import coordinator_process, kill_group, launch
 
 FORMED = pb.Verdict.OUTCOME_FORMED
 REFUSED = pb.Verdict.OUTCOME_REFUSED

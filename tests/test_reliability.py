@@ -23,17 +23,14 @@ from cohortgate.coordinator.contract.manifest import Manifest
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
-    agent_rank,
-    coordinator_process,
     free_port,
-    freeze,
     join_request,
-    kill_group,
     manifest_of,
     run_cohort,
     run_rank,
     serving_pid,
 )
+from tests.launches import agent_rank, coordinator_process, freeze, kill_group
 
 
 @pytest.mark.slow

@@ -19,7 +19,6 @@ from cohortgate.coordinator.codec import wire
 from cohortgate.coordinator.contract.manifest import Manifest
 from tests.helpers import (
     InProcessCoordinator,
-    coordinator_process,
     join_async,
     join_request,
     manifest_of,
@@ -28,6 +27,7 @@ from tests.helpers import (
     run_rank,
     wait_joined,
 )
+from tests.launches import coordinator_process
 
 FORMED = pb.Verdict.OUTCOME_FORMED
 REFUSED = pb.Verdict.OUTCOME_REFUSED

@@ -14,14 +14,8 @@ import pytest
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec.channel import ClientSecurity
-from tests.helpers import (
-    InProcessCoordinator,
-    agent_rank,
-    coordinator_process,
-    join_request,
-    manifest_of,
-    run_cohort,
-)
+from tests.helpers import InProcessCoordinator, join_request, manifest_of, run_cohort
+from tests.launches import agent_rank, coordinator_process
 
 TOKEN_A = "token-for-job-a-0123456789"
 TOKEN_B = "token-for-job-b-0123456789"

@@ -22,15 +22,8 @@ from cohortgate.coordinator.codec import wire
 from cohortgate.coordinator.contract.layout import layout
 from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from cohortgate.coordinator.service import deciding
-from tests.helpers import (
-    InProcessCoordinator,
-    agent_rank,
-    coordinator_process,
-    join_request,
-    kill_group,
-    log_events,
-    run_rank,
-)
+from tests.helpers import InProcessCoordinator, join_request, log_events, run_rank
+from tests.launches import agent_rank, coordinator_process, kill_group
 
 FORMED = pb.Verdict.OUTCOME_FORMED
 MESSAGE_BYTES = 512 * 1024  # the smallest --max-message-bytes: 20,000 entries are over it

@@ -20,13 +20,8 @@ from cohortgate.agent.signature import manifest as build_manifest
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.cli.spawn import spawn
-from tests.helpers import (
-    agent_rank,
-    coordinator_process,
-    join_request,
-    kill_group,
-    log_events,
-)
+from tests.helpers import join_request, log_events
+from tests.launches import agent_rank, coordinator_process, kill_group
 from tests.test_digest import flip_one_bit, model
 
 
