@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -410,3 +411,32 @@ def metric_total(metrics_url: str, name: str) -> float:
     text = urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5).read().decode()
     lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
     return sum(float(ln.split()[-1]) for ln in lines)
+
+
+def http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def hold_partial_cohort(
+    coord: InProcessCoordinator, job: str, ranks: list[int], world: int
+) -> ThreadPoolExecutor:
+    """Ranks that join and wait (the cohort stays incomplete until the test completes it)."""
+    m = manifest_of()
+    pool = ThreadPoolExecutor(max_workers=len(ranks))
+    for r in ranks:
+        pool.submit(run_rank, coord.addr, join_request(job, r, world, m), m, 60.0)
+    give_up = time.monotonic() + 10
+    while True:
+        status = json.loads(http_get(coord.metrics_url + "/status.json"))
+        waiting = [c for c in status["waiting"] if c["job_id"] == job]
+        if waiting and waiting[0]["joined"] == len(ranks):
+            return pool
+        assert time.monotonic() < give_up, status
+        time.sleep(0.05)
+
+
+def finish_cohort(coord: InProcessCoordinator, job: str, ranks: list[int], world: int) -> None:
+    m = manifest_of()
+    with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+        list(pool.map(lambda r: run_rank(coord.addr, join_request(job, r, world, m), m), ranks))
