@@ -40,18 +40,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,30 +55,21 @@ from cohortgate.coordinator.cli.spawn import spawn
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests.helpers, here and in the client processes (spawned)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def manifest_for(entries: int, variant: int) -> Any:
-    from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
-
-    items = [
-        Entry(Kind.PARAMETER, f"layers.{i // 4}.w{i % 4}", "bfloat16", (1024, 1024 + variant), True)
-        for i in range(entries)
-    ]
-    return Manifest.of(items)
+from scale_harness import (  # noqa: E402
+    free_port,
+    join_request_of,
+    manifest_for,
+    proc_cpu_rss,
+    run_lighthouse,
+    run_tcpstore,
+    torchft_module,
+    workers,
+)
+from scale_hop import measure_hop  # noqa: E402
+from scale_report import medians, print_table  # noqa: E402
 
 
 # -- cohortgate ------------------------------------------------------------------------------
-def _join_request(job: str, r: int, world: int, m: Any) -> Any:
-    from tests.helpers import join_request
-
-    return join_request(job, r, world, m, host=f"node{r // 8}", pid=r, quiet=r != 0)
-
-
 class _Clients:
     """One client process's simulated ranks or relays (see _client_proc)."""
 
@@ -101,7 +87,7 @@ class _Clients:
         """One rank's Join (no relay), or a relay's group of `ranks`, until the verdict."""
         from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
-        reqs = {r: _join_request(self.job, r, self.world, self.manifest(r)) for r in ranks}
+        reqs = {r: join_request_of(self.job, r, self.world, self.manifest(r)) for r in ranks}
         stats = self.stats
         stats["sent"].append(time.time())
         async for event in self._events(stub, reqs, relay):
@@ -210,17 +196,6 @@ def _client_proc(
     )
 
 
-def _proc_cpu_rss(pid: int) -> tuple[float, int]:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / ticks
-    hwm = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            hwm = int(line.split()[1]) * 1024
-    return cpu, hwm
-
-
 def _groups(n: int, size: int, procs: int) -> list[list[tuple[int, list[int]]]]:
     """Ranks in groups of `size` (consecutive ranks: one node), the groups dealt to procs."""
     groups = [(g, list(range(s, min(s + size, n)))) for g, s in enumerate(range(0, n, size))]
@@ -275,15 +250,15 @@ def run_cohortgate(
             addr = f"127.0.0.1:{port}"
             if etcd:
                 _wait_leading(addr)
-            cpu0, _ = _proc_cpu_rss(server.pid)
-            results = _workers(
+            cpu0, _ = proc_cpu_rss(server.pid)
+            results = workers(
                 _client_proc,
                 [
                     (addr, f"bench-{n}", s, relay > 1, rpc, n, entries, signatures)
                     for s in _groups(n, relay, procs)
                 ],
             )
-            cpu1, hwm = _proc_cpu_rss(server.pid)
+            cpu1, hwm = proc_cpu_rss(server.pid)
         finally:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
@@ -333,365 +308,6 @@ def _local_etcd(tmp: str) -> Any:
     etcd_bin = REPO / ".venv" / "etcd" / "usr" / "bin"
     os.environ["PATH"] = f"{etcd_bin}:{os.environ['PATH']}"
     return EtcdServer(Path(tmp) / "etcd").start()
-
-
-async def _hop_cohort(addrs: list[str], job: str, size: int) -> float:
-    """`size` ranks (dealt in order over `addrs`) form one cohort: first join -> last
-    verdict, answering manifest requests as the agent does."""
-    import grpc
-
-    from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-    from cohortgate.coordinator.codec import wire
-
-    m = manifest_for(20, 0)
-    channels = [grpc.aio.insecure_channel(a) for a in addrs]
-    stubs = [pb_grpc.CohortServiceStub(c) for c in channels]
-
-    async def rank(r: int) -> None:
-        stub = stubs[r * len(stubs) // size]
-        request = _join_request(job, r, size, m)
-        async for event in stub.Join(request, timeout=60):
-            kind = event.WhichOneof("event")
-            if kind == "manifest_request":
-                up = wire.manifest_answer(request, event.manifest_request.round, m)
-                await stub.UploadManifestChunks(wire.upload_chunks(up), timeout=60)
-            elif kind == "verdict":
-                return
-
-    try:
-        for channel in channels:
-            await channel.channel_ready()
-        start = time.perf_counter()
-        await asyncio.gather(*(rank(r) for r in range(size)))
-        return time.perf_counter() - start
-    finally:
-        for channel in channels:
-            await channel.close()
-
-
-def _relay(tmp: str, name: str, upstream: int, ranks: int) -> tuple[subprocess.Popen[bytes], int]:
-    return spawn(
-        Path(tmp) / f"{name}-port",
-        ["--upstream", f"127.0.0.1:{upstream}", "--local-ranks", str(ranks)],
-        stdout=subprocess.DEVNULL,
-        new_session=True,
-        command="relay",
-    )
-
-
-def measure_hop(size: int, node: int = 0, repeats: int = 15) -> dict[str, float]:
-    """What relays add: `size` rank clients form a cohort of `size` through a real
-    `cohortgate relay` (with `node`, through node relays of `node` ranks under it: relays
-    of relays) and directly, alternately; medians of first join -> last verdict."""
-    with tempfile.TemporaryDirectory() as tmp:
-        server, port = spawn(
-            Path(tmp) / "port",
-            ["--metrics-listen", "off", "--history", "off"],
-            stdout=subprocess.DEVNULL,
-            new_session=True,
-        )
-        relay, relay_port = _relay(tmp, "relay", port, size)
-        nodes = [
-            _relay(tmp, f"node{i}", relay_port, node) for i in range(size // node if node else 0)
-        ]
-        entry = [f"127.0.0.1:{p}" for _, p in nodes] or [f"127.0.0.1:{relay_port}"]
-        try:
-            direct, relayed = [], []
-            for i in range(repeats):
-                direct.append(asyncio.run(_hop_cohort([f"127.0.0.1:{port}"], f"direct-{i}", size)))
-                relayed.append(asyncio.run(_hop_cohort(entry, f"relay-{i}", size)))
-        finally:
-            for proc in [*(p for p, _ in nodes), relay, server]:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return {
-        "ranks": size,
-        "node_relays_of": node,
-        "direct_s_median": statistics.median(direct),
-        "relayed_s_median": statistics.median(relayed),
-        "hop_s": statistics.median(relayed) - statistics.median(direct),
-    }
-
-
-# -- peers: one thread per client, over a few processes ---------------------------------------
-def _threads(
-    ranks: list[int], clients: list[Any], body: Any, ready: Any, go: Any, out: Any
-) -> None:
-    """Run body(rank, client) on a thread per rank, all released at once by `go`; report the
-    first and last start and the last finish to `out`."""
-    sent: list[float] = []
-    done: list[float] = []
-    lock = threading.Lock()
-    gate = threading.Event()
-
-    def rank(r: int, client: Any) -> None:
-        gate.wait()
-        with lock:
-            sent.append(time.time())
-        body(r, client)
-        with lock:
-            done.append(time.time())
-
-    threads = [
-        threading.Thread(target=rank, args=(r, c)) for r, c in zip(ranks, clients, strict=True)
-    ]
-    for t in threads:
-        t.start()
-    ready.put(os.getpid())
-    go.wait()
-    gate.set()
-    for t in threads:
-        t.join()
-    out.put({"first_sent": min(sent), "last_sent": max(sent), "last_verdict": max(done)})
-
-
-def _workers(target: Any, arg_lists: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    """target(*args, ready, go, out) in a process per entry of `arg_lists`, released at once
-    when all are ready; what each put on `out`."""
-    ctx = mp.get_context("spawn")
-    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    workers = [ctx.Process(target=target, args=(*args, ready, go, out)) for args in arg_lists]
-    for w in workers:
-        w.start()
-    for _ in workers:
-        ready.get(timeout=600)
-    go.set()
-    results = [out.get(timeout=600) for _ in workers]
-    for w in workers:
-        w.join(timeout=60)
-    return results
-
-
-def _drive(system: str, n: int, procs: int, size: int, target: Any, *args: Any) -> dict[str, Any]:
-    """target(*args, share, ready, go, out) in `procs` processes, a client per `size` ranks
-    (`share`: the first rank of each of its groups); the timings of the run."""
-    firsts = list(range(0, n, size))
-    results = _workers(target, [(*args, firsts[i::procs]) for i in range(procs)])
-    first = min(r["first_sent"] for r in results)
-    done = max(r["last_verdict"] for r in results)
-    return {
-        "system": system if size == 1 else f"{system}/{size}",
-        "ranks": n,
-        "first_join_to_done_s": done - first,
-        "last_join_to_done_s": done - max(r["last_sent"] for r in results),
-    }
-
-
-# -- TCPStore barrier ------------------------------------------------------------------------
-def _store_proc(
-    port: int, world: int, size: int, ranks: list[int], ready: Any, go: Any, out: Any
-) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    def connect(_: int) -> Any:
-        return dist.TCPStore(
-            "127.0.0.1",
-            port,
-            world,
-            is_master=False,
-            timeout=timedelta(seconds=300),
-            use_libuv=True,
-        )
-
-    # Connected in parallel, before the clock starts.
-    with ThreadPoolExecutor(64) as pool:
-        stores = list(pool.map(connect, ranks))
-
-    def barrier(first: int, store: Any) -> None:
-        # One client for a node's `size` ranks: its signatures in one call, the count by
-        # `size`; the client completing the count compares every signature.
-        mine = range(first, min(first + size, world))
-        store.multi_set([f"sig/{r}" for r in mine], ["a" * 64] * len(mine))
-        if store.add("joined", len(mine)) == world:
-            sigs = store.multi_get([f"sig/{i}" for i in range(world)])
-            store.set("verdict", "formed" if len(set(sigs)) == 1 else "refused")
-        store.wait(["verdict"])
-        store.get("verdict")
-
-    _threads(ranks, stores, barrier, ready, go, out)
-
-
-def run_tcpstore(n: int, procs: int, size: int) -> dict[str, Any]:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    port = free_port()
-    master = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        n,
-        is_master=True,
-        timeout=timedelta(seconds=300),
-        use_libuv=True,
-        wait_for_workers=False,
-    )
-    try:
-        return _drive("tcpstore", n, procs, size, _store_proc, port, n, size)
-    finally:
-        del master
-
-
-# -- torchft Lighthouse -----------------------------------------------------------------------
-def _torchft() -> Any:
-    """torchft's Rust extension, loaded without the torchft package (which needs
-    opentelemetry); None where torchft is not installed."""
-    os.environ.setdefault("RUST_LOG", "error")  # torchft logs every client and quorum
-    import importlib.util
-    import site
-
-    for root in site.getsitepackages():
-        for path in Path(root, "torchft").glob("_torchft*.so"):
-            spec = importlib.util.spec_from_file_location("_torchft", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    return None
-
-
-def _lighthouse_server(replicas: int, port_file: str) -> None:
-    tft = _torchft()
-    server = tft.LighthouseServer(
-        bind="127.0.0.1:0",
-        min_replicas=replicas,
-        join_timeout_ms=600_000,
-        quorum_tick_ms=10,
-        heartbeat_timeout_ms=600_000,
-    )
-    Path(port_file).write_text(server.address().rsplit(":", 1)[1])
-    threading.Event().wait()
-
-
-def _lighthouse_proc(
-    port: int, world: int, size: int, ranks: list[int], ready: Any, go: Any, out: Any
-) -> None:
-    from datetime import timedelta
-
-    tft = _torchft()
-    addr = f"http://127.0.0.1:{port}"  # loopback, whatever name the server reports
-    with ThreadPoolExecutor(64) as pool:
-        clients = list(
-            pool.map(
-                lambda _: tft.LighthouseClient(addr, connect_timeout=timedelta(seconds=60)), ranks
-            )
-        )
-
-    def quorum(first: int, client: Any) -> None:
-        # one replica group per node of `size` ranks
-        size_here = min(size, world - first)
-        client.quorum(
-            replica_id=f"replica{first}", timeout=timedelta(seconds=600), world_size=size_here
-        )
-
-    _threads(ranks, clients, quorum, ready, go, out)
-
-
-def run_lighthouse(n: int, procs: int, size: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        replicas = len(range(0, n, size))
-        server = ctx.Process(target=_lighthouse_server, args=(replicas, str(port_file)))
-        server.start()
-        while not (port_file.exists() and port_file.read_text()):
-            time.sleep(0.05)
-        try:
-            cpu0, _ = _proc_cpu_rss(server.pid or 0)
-            port = int(port_file.read_text())
-            row = _drive("lighthouse", n, procs, size, _lighthouse_proc, port, n, size)
-            cpu1, hwm = _proc_cpu_rss(server.pid or 0)
-        finally:
-            server.kill()
-            server.join()
-    return {**row, "coordinator_cpu_s": cpu1 - cpu0, "coordinator_peak_rss_mib": hwm / 2**20}
-
-
-def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One system's row: the first run's fields, timings as the median over the runs."""
-    row = dict(results[0])
-    for key in (
-        "first_join_to_done_s",
-        "last_join_to_done_s",
-        "decided_to_done_s",
-        "coordinator_cpu_s",
-        "coordinator_peak_rss_mib",
-    ):
-        if key in row:
-            row[key] = statistics.median(r[key] for r in results)
-    row["runs"] = results
-    return row
-
-
-def _print_table(rows: list[dict[str, Any]], hop: dict[str, float] | None) -> None:
-    print(
-        f"{'system':<20} {'ranks':>7} {'first->done':>12} {'last->done':>11} {'decided->done':>14} "
-        f"{'server CPU':>10} {'peak RSS':>9} {'bytes':>12} {'uploads':>8}  outcomes"
-    )
-    for r in rows:
-        line = (
-            f"{r['system']:<20} {r['ranks']:>7} {r['first_join_to_done_s']:>11.3f}s "
-            f"{r['last_join_to_done_s']:>10.3f}s "
-            + (f"{r['decided_to_done_s']:>13.3f}s " if "decided_to_done_s" in r else f"{'':>15}")
-        )
-        if "coordinator_cpu_s" in r:
-            line += f"{r['coordinator_cpu_s']:>9.2f}s {r['coordinator_peak_rss_mib']:>6.0f}MiB "
-        if "payload_bytes" in r:
-            line += f"{r['payload_bytes']:>12} {r['manifests_uploaded']:>8}  {r['outcomes']}"
-        print(line)
-    if hop:
-        print(
-            f"relay hop, measured: {hop['ranks']} ranks form in "
-            f"{hop['relayed_s_median'] * 1e3:.1f} ms through a real relay"
-            + (f" over node relays of {hop['node_relays_of']}" if hop["node_relays_of"] else "")
-            + ", "
-            f"{hop['direct_s_median'] * 1e3:.1f} ms directly: +{hop['hop_s'] * 1e3:.1f} ms, "
-            "added to cohortgate's times in the ratios below (+hop)"
-        )
-    ours = {
-        r["ranks"]: r
-        for r in rows
-        if r["system"].startswith("cohortgate")
-        and not r["system"].endswith("/bare")
-        and "+etcd" not in r["system"]
-    }
-    _print_ha(rows, ours)
-    extra = hop["hop_s"] if hop else 0.0
-    floors = {r["ranks"]: r for r in rows if r["system"].startswith("floor")}
-    for n, floor in floors.items():
-        mine, base = ours[n], floor
-        print(
-            f"{n} ranks: cohortgate / floor (same transport, loop and clients, no hop) = "
-            f"{mine['first_join_to_done_s'] / base['first_join_to_done_s']:.2f} first join "
-            f"to done, {mine['coordinator_cpu_s'] / base['coordinator_cpu_s']:.2f} server CPU"
-        )
-    for r in rows:
-        if r["system"].split("/")[0] in ("tcpstore", "lighthouse"):
-            mine = ours[r["ranks"]]["first_join_to_done_s"] + extra
-            print(
-                f"{r['ranks']} ranks: cohortgate{'+hop' if hop else ''} / {r['system']} "
-                f"(first join to done, medians, same grouping) = "
-                f"{mine / r['first_join_to_done_s']:.2f}"
-            )
-            if r["ranks"] in floors:
-                floor_s = floors[r["ranks"]]["first_join_to_done_s"]
-                print(
-                    f"{r['ranks']} ranks: floor / {r['system']} (what the stack alone costs) = "
-                    f"{floor_s / r['first_join_to_done_s']:.2f}"
-                )
-
-
-def _print_ha(rows: list[dict[str, Any]], ours: dict[int, dict[str, Any]]) -> None:
-    for r in rows:
-        if "+etcd" in r["system"] and r["ranks"] in ours:
-            base = ours[r["ranks"]]
-            print(
-                f"{r['ranks']} ranks: cohortgate on etcd / on SQLite (the cost of HA) = "
-                f"{r['first_join_to_done_s'] / base['first_join_to_done_s']:.2f} first join "
-                f"to done, {r['coordinator_cpu_s'] / base['coordinator_cpu_s']:.2f} server CPU"
-            )
 
 
 def _one_round(
@@ -767,7 +383,7 @@ def main() -> int:
     # to connect. Inherited by every worker; the timed part does no lookups.
     os.environ.setdefault("RES_OPTIONS", "timeout:0 attempts:0")
     peers = [p for p in args.peers.split(",") if p in ("tcpstore", "lighthouse", "floor")]
-    if "lighthouse" in peers and _torchft() is None:
+    if "lighthouse" in peers and torchft_module() is None:
         print("torchft is not installed (pip install --no-deps torchft==0.2.0): no Lighthouse")
         peers.remove("lighthouse")
     etcd_dir = tempfile.TemporaryDirectory()
@@ -779,12 +395,12 @@ def main() -> int:
         runs.update({p: [] for p in peers})
         for _ in range(args.repeats):
             _one_round(n, args, peers, etcd, runs)
-        rows += [_medians(results) for results in runs.values()]
+        rows += [medians(results) for results in runs.values()]
     if etcd_server is not None:
         etcd_server.stop()
     etcd_dir.cleanup()
     hop = measure_hop(args.relay, args.node) if args.relay > 1 else None
-    _print_table(rows, hop)
+    print_table(rows, hop)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
