@@ -22,7 +22,14 @@ from cohortgate.coordinator.codec import wire
 from cohortgate.coordinator.contract.layout import layout
 from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from cohortgate.coordinator.service import deciding
-from tests.helpers import InProcessCoordinator, join_request, log_events, run_rank
+from tests.helpers import (
+    InProcessCoordinator,
+    join_request,
+    log_events,
+    manifest_of,
+    run_rank,
+    wait_joined,
+)
 from tests.launches import agent_rank, coordinator_process, kill_group
 
 FORMED = pb.Verdict.OUTCOME_FORMED
@@ -313,3 +320,33 @@ def combine_named(m: Manifest, digests: list[bytes]) -> bytes:
     from cohortgate.coordinator.contract.digests import combine
 
     return combine(zip((e.name for e in m.entries), digests, strict=True))
+
+
+def test_a_rank_asked_for_its_manifest_that_leaves_hands_the_ask_to_another_at_once() -> None:
+    """The first rank of a signature is asked for its manifest; its call ends before it
+    uploads: the next rank of the signature is asked then, on its waiting call, not at its
+    next progress event (30 s here)."""
+    c = InProcessCoordinator(join_deadline=60.0, progress_interval=30.0)
+    m = manifest_of()
+    try:
+        with grpc.insecure_channel(c.addr) as channel:
+            stub = pb_grpc.CohortServiceStub(channel)
+            first = stub.Join(join_request("handover", 0, 3, m), timeout=30)
+            asked = next(iter(first))
+            assert (
+                asked.WhichOneof("event") == "manifest_request" and asked.manifest_request.rank == 0
+            )
+            second = stub.Join(join_request("handover", 1, 3, m), timeout=30)
+            events: list[pb.JoinEvent] = []
+            reader = threading.Thread(target=lambda: events.append(next(iter(second))))
+            reader.start()
+            wait_joined(c.addr, "handover", 2)
+            first.cancel()  # rank 0 goes before uploading
+            reader.join(timeout=5)
+            assert events, "rank 1 was not asked within 5 s of rank 0 leaving"
+            (event,) = events
+            assert event.WhichOneof("event") == "manifest_request"
+            assert event.manifest_request.rank == 1
+            second.cancel()
+    finally:
+        c.stop()
