@@ -94,7 +94,11 @@ def test_run_refuses_typos_missing_scripts_and_unjoinable_multinode_before_start
         (["--nnodes", "2", "--rdzv-id", "j", str(script)], "needs --coordinator HOST:PORT"),
         (["--coordinator", "c:1", "--nnodes", "2", str(script)], "needs --rdzv-id JOB"),
         (["--coordinator", "http://c:1", str(script)], "is not HOST:PORT"),
-        (["--join-deadline", "soon", str(script)], "not a positive number"),
+        (
+            ["--join-deadline", "soon", str(script)],
+            "--join-deadline: Input should be a valid number",
+        ),
+        (["--join-deadline", "-5", str(script)], "--join-deadline: Input should be greater than 0"),
     ):
         done = cli("run", *args, TMPDIR=str(tmp_path))
         assert done.returncode == 2, (args, done.stderr)
@@ -374,7 +378,10 @@ def test_every_help_line_states_its_default() -> None:
         if "default" not in (a.help or "") and "required" not in (a.help or "")
     ]
     assert missing == []
-    assert "(default 600" in cli("run", "--help").stdout
+    from cohortgate.coordinator.edge.config import ServeConfig
+
+    default = ServeConfig.model_fields["join_deadline"].default
+    assert f"serve's default, {default:g})" in cli("run", "--help").stdout
 
 
 @pytest.mark.slow

@@ -6,11 +6,13 @@ job id, a round), with no variable."""
 from __future__ import annotations
 
 import argparse
+import os
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from cohortgate.coordinator.edge.settings import env_var
 
@@ -75,3 +77,24 @@ def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
         if value is not None:
             out[name] = value
     return out
+
+
+def settings_errors(
+    model: type[BaseModel], flags: Mapping[str, Any], exc: ValidationError
+) -> list[str]:
+    """One line per problem, naming the flag given or the variable it came from."""
+    lines = []
+    for error in exc.errors():
+        loc = "_".join(str(x) for x in error["loc"])
+        known = loc in model.model_fields
+        names = [env_var(model, loc), env_var(model, loc, old=True)] if known else []
+        said = [v for v in names if v]
+        var = next((v for v in said if os.environ.get(v)), said[0] if said else "")
+        where = f"{flag_of(loc, model)}: " if loc else ""  # "": a check of several fields
+        if loc and loc not in flags and var and os.environ.get(var):
+            where = f"${var}={os.environ[var]!r}: "
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if error["type"] == "missing":
+            message = f"required: give it, or set ${var}"
+        lines.append(f"{where}{message}")
+    return lines

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
 from cohortgate.coordinator.cli import ops as ops_cli
-from cohortgate.coordinator.cli.flags import add_flags, flag_of, given
+from cohortgate.coordinator.cli.flags import add_flags, given, settings_errors
 from cohortgate.coordinator.cli.run import cmd_run
 from cohortgate.coordinator.contract.settings import SettingError
 from cohortgate.coordinator.edge.config import ServeConfig
 from cohortgate.coordinator.edge.relay_config import RelayConfig
-from cohortgate.coordinator.edge.settings import Settings, env_var, from_env_and_flags
+from cohortgate.coordinator.edge.settings import Settings, from_env_and_flags
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,19 +52,8 @@ def _settings(command: str, model: type[Settings], args: argparse.Namespace) -> 
     try:
         return from_env_and_flags(model, flags)
     except ValidationError as exc:
-        for error in exc.errors():
-            loc = "_".join(str(x) for x in error["loc"])
-            known = loc in model.model_fields
-            names = [env_var(model, loc), env_var(model, loc, old=True)] if known else []
-            said = [v for v in names if v]
-            var = next((v for v in said if os.environ.get(v)), said[0] if said else "")
-            where = f"{flag_of(loc, model)}: " if loc else ""  # "": a check of several fields
-            if loc and loc not in flags and os.environ.get(var):
-                where = f"${var}={os.environ[var]!r}: "
-            message = str(error["msg"]).removeprefix("Value error, ")
-            if error["type"] == "missing":
-                message = f"required: give it, or set ${var}"
-            print(f"cohortgate {command}: {where}{message}", file=sys.stderr)
+        for line in settings_errors(model, flags, exc):
+            print(f"cohortgate {command}: {line}", file=sys.stderr)
     except ValueError as exc:
         print(f"cohortgate {command}: {exc}", file=sys.stderr)
     return None

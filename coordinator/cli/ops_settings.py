@@ -1,5 +1,5 @@
-"""Settings of `status`, `watch` and `explain`: models read as every command's are (flags
-and COHORTGATE_* variables generated: edge/settings.py, cli/flags.py)."""
+"""Settings of `status`, `watch`, `explain` and `run`'s own options: models read as every
+command's are (flags and COHORTGATE_* variables generated: edge/settings.py, cli/flags.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cohortgate.coordinator.contract.addr import DEFAULT_ADDR, split_host_port
+from cohortgate.coordinator.edge.config import ServeConfig
 from cohortgate.coordinator.edge.settings import ENV_PREFIX, POSITIONAL
 
 
@@ -79,3 +80,37 @@ class ExplainSettings(ClientSettings):
         "endpoints directly (etcd TLS and user from $COHORTGATE_ETCD_*)",
     )
     etcd_prefix: str = Field("/cohortgate/", description="the fleet's key prefix")
+
+
+class RunSettings(BaseModel):
+    """`cohortgate run`'s own options, taken off the front of its command line (the rest is
+    torchrun's, passed on unchanged)."""
+
+    env_prefix: ClassVar[str] = ENV_PREFIX + "RUN_"
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    coordinator: str = Field(
+        "",
+        description="a coordinator every node reaches, HOST:PORT (the replicas of an "
+        "active/standby coordinator as a list, a:7070,b:7070); without it one is started on "
+        "this node, which only a single-node job can use",
+    )
+    no_relay: bool = Field(
+        False,
+        description="with --coordinator: workers join it directly (without it a relay is "
+        "started on this node and they join through it, one call per node)",
+    )
+    join_deadline: float | None = Field(
+        None,
+        gt=0,
+        description="the coordinator started here waits this many seconds for every rank "
+        f"(without it: serve's default, {ServeConfig.model_fields['join_deadline'].default:g})",
+        json_schema_extra={"env": "JOIN_DEADLINE"},
+    )
+
+    @field_validator("coordinator")
+    @classmethod
+    def _coordinator(cls, value: str) -> str:
+        if value:
+            ClientSettings._addr(value)
+        return value

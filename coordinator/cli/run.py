@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from pydantic import ValidationError
+
+from cohortgate.coordinator.cli.flags import flag_of, settings_errors
 from cohortgate.coordinator.cli.launch import (
     JobId,
     LaunchError,
@@ -24,25 +27,36 @@ from cohortgate.coordinator.cli.launch import (
     job_id,
     parse_torchrun,
 )
+from cohortgate.coordinator.cli.ops_settings import RunSettings
 from cohortgate.coordinator.cli.spawn import spawn
-from cohortgate.coordinator.contract.addr import split_host_port
 from cohortgate.coordinator.edge.config import prune_runs, run_history
+from cohortgate.coordinator.edge.settings import env_var, from_env_and_flags
 
-RUN_USAGE = """\
-usage: cohortgate run [--coordinator HOST:PORT[,HOST:PORT...]] [--no-relay] [--join-deadline S]
-                      [torchrun options] script.py [script args]
+
+def _options_text() -> str:
+    """`run`'s own options, from its settings model: flag, meaning, default and variable."""
+    lines = []
+    for name, field in RunSettings.model_fields.items():
+        flag = flag_of(name, RunSettings)
+        head = flag if field.annotation is bool else f"{flag} {_METAVARS.get(name, 'VALUE')}"
+        said = f"{field.description} (${env_var(RunSettings, name)})"
+        lines.append(
+            f"  {head}\n"
+            + textwrap.fill(said, 90, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        )
+    lines.append("  -h, --help\n      this text")
+    return "\n".join(lines)
+
+
+_METAVARS = {"coordinator": "HOST:PORT", "join_deadline": "SECONDS"}
+
+RUN_USAGE = f"""\
+usage: cohortgate run [cohortgate's options] [torchrun options] script.py [script args]
 
 Run torchrun with every worker gated by cohortgate, and exit with torchrun's exit code.
 
 cohortgate's options (before torchrun's):
-  --coordinator HOST:PORT  a coordinator every node reaches (default: none; one is started on
-                           this node, which only a single-node job can use); the replicas
-                           of an active/standby coordinator as a list, a:7070,b:7070
-  --no-relay               with --coordinator: workers join it directly (default: a relay is
-                           started on this node and they join through it, one call per node)
-  --join-deadline S        the coordinator started here waits S seconds for every rank
-                           (default 600, or $COHORTGATE_JOIN_DEADLINE)
-  -h, --help               this text
+{_options_text()}
 
 The job id is torchrun's --rdzv-id (TORCHELASTIC_RUN_ID in the workers), or $COHORTGATE_JOB;
 a single-node or --standalone launch without one gets a random id, printed on stdout. A
@@ -54,7 +68,9 @@ SIGINT or SIGTERM ends torchrun, its workers and the coordinator or relay, remov
 temporary directory, and exits 128+signal (130, 143).
 """
 
-OWN_OPTIONS = ("--coordinator", "--join-deadline", "--no-relay", "-h", "--help")
+# flag -> RunSettings field; with -h/--help, what is taken off the front of the command line
+_FLAGS = {flag_of(name, RunSettings): name for name in RunSettings.model_fields}
+OWN_OPTIONS = (*_FLAGS, "-h", "--help")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # torchrun's own shutdown of its workers after SIGTERM; then the whole group is killed.
 STOP_GRACE_S = 30.0
@@ -113,46 +129,33 @@ def _end(child: subprocess.Popen[bytes] | None) -> None:
         child.wait()
 
 
-@dataclass
-class _Own:
-    """`cohortgate run`'s own options, taken off the front of the command line."""
-
-    coordinator: str | None = None
-    deadline: str | None = None
-    relay: bool = True
-    help: bool = False
-
-
-def _own_options(argv: list[str]) -> _Own:
-    own = _Own()
+def _own_options(argv: list[str]) -> RunSettings | None:
+    """`run`'s own options off the front of `argv` (None: --help), read as every command's
+    settings are (its variables, then the flags given)."""
+    given: dict[str, object] = {}
     while argv and argv[0].partition("=")[0] in OWN_OPTIONS:
         flag, eq, inline = argv.pop(0).partition("=")
         if flag in ("-h", "--help"):
-            own.help = True
-            return own
-        if flag == "--no-relay":
-            own.relay = False
+            return None
+        name = _FLAGS[flag]
+        if RunSettings.model_fields[name].annotation is bool:
+            given[name] = True
             continue
         if not eq and not argv:
             raise LaunchError(f"{flag} needs a value\n\n{RUN_USAGE}")
-        value = inline if eq else argv.pop(0)
-        if flag == "--coordinator":
-            for one in value.split(","):  # a:7070,b:7070: active/standby replicas
-                split_host_port(one.strip())
-            own.coordinator = value
-        elif _positive(value):
-            own.deadline = value
-        else:
-            raise LaunchError(f"--join-deadline {value!r} is not a positive number of seconds")
-    return own
+        given[name] = inline if eq else argv.pop(0)
+    try:
+        return from_env_and_flags(RunSettings, given)
+    except ValidationError as exc:
+        raise LaunchError("; ".join(settings_errors(RunSettings, given, exc))) from None
 
 
-def _checked_launch(own: _Own, argv: list[str]) -> tuple[TorchrunArgs, JobId]:
+def _checked_launch(own: RunSettings, argv: list[str]) -> tuple[TorchrunArgs, JobId]:
     """torchrun's command line parsed and checked, and the job id it implies."""
     torchrun_args = parse_torchrun(argv)
     check_script(torchrun_args)
     job = job_id(torchrun_args)
-    if own.coordinator is None and torchrun_args.max_nodes() > 1:
+    if not own.coordinator and torchrun_args.max_nodes() > 1:
         raise LaunchError(
             "a multi-node launch needs --coordinator HOST:PORT, a coordinator every node "
             "reaches (start one with `cohortgate serve --listen 0.0.0.0:7070 "
@@ -165,7 +168,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     argv = list(argv)
     try:
         own = _own_options(argv)
-        if own.help:
+        if own is None:
             print(RUN_USAGE)
             return 0
         torchrun_args, job = _checked_launch(own, argv)
@@ -185,9 +188,9 @@ def cmd_run(argv: Sequence[str]) -> int:
         try:
             env["COHORTGATE_ADDR"] = _endpoint(own, torchrun_args, Path(tmp), env, children)
             generated = " (generated: pass --rdzv-id to choose it)" if job.generated else ""
-            if own.coordinator is None:
+            if not own.coordinator:
                 where = f"coordinator {env['COHORTGATE_ADDR']} (started here)"
-            elif own.relay:
+            elif not own.no_relay:
                 where = f"coordinator {own.coordinator} through this node's relay "
                 where += env["COHORTGATE_ADDR"]
             else:
@@ -225,7 +228,7 @@ def _retention_days(env: dict[str, str]) -> float:
 
 
 def _endpoint(
-    own: _Own,
+    own: RunSettings,
     torchrun_args: TorchrunArgs,
     tmp: Path,
     env: dict[str, str],
@@ -233,20 +236,20 @@ def _endpoint(
 ) -> str:
     """The address the workers join: a coordinator started here (single node), a relay to
     the given coordinator (one per node), or that coordinator itself (--no-relay)."""
-    if own.coordinator is None:
+    if not own.coordinator:
         history = run_history(env["COHORTGATE_JOB"])
         history.parent.mkdir(parents=True, exist_ok=True)
         prune_runs(_retention_days(env), keep=history)
         flags = ["--metrics-listen", "127.0.0.1:0", "--log-format", "console"]
         flags += ["--history", str(history)]
-        if own.deadline is not None:
-            flags += ["--join-deadline", own.deadline]
+        if own.join_deadline is not None:
+            flags += ["--join-deadline", f"{own.join_deadline:g}"]
         server, port = spawn(
             tmp / "port", flags, stdout=sys.stderr, new_session=True, preexec=_die_with_parent
         )
         children.append(server)
         return f"127.0.0.1:{port}"
-    if not own.relay:
+    if own.no_relay:
         return own.coordinator
     local = torchrun_args.value("nproc_per_node")
     relay, relay_port = spawn(
@@ -272,13 +275,6 @@ def _endpoint(
     for name in [k for k in env if k.startswith("COHORTGATE_TLS")]:
         del env[name]
     return f"127.0.0.1:{relay_port}"
-
-
-def _positive(text: str) -> bool:
-    try:
-        return float(text) > 0
-    except ValueError:
-        return False
 
 
 def _wait(torchrun: subprocess.Popen[bytes], stop: _Stop) -> int:
