@@ -9,7 +9,7 @@ import pytest
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.codec.wire import MAX_JOB_ID
-from cohortgate.coordinator.contract.digests import MAX_FILE_PATH, MAX_FILES
+from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION, MAX_FILE_PATH, MAX_FILES
 from cohortgate.coordinator.contract.errors import CoordinatorError, InvalidArgument, LimitExceeded
 from cohortgate.coordinator.contract.limits import Limits
 from cohortgate.coordinator.edge import rpc
@@ -147,3 +147,52 @@ def test_a_group_is_one_job_and_round_of_one_to_max_group_ranks() -> None:
     twice = [join_request("g", 0, 4, m), join_request("g", 0, 4, m)]
     with pytest.raises(InvalidArgument, match=r"^members\[1\]: rank 0 appears twice"):
         rpc.group_intents(pb.JoinGroupRequest(members=twice))
+
+
+def audit(**fields: object) -> pb.AuditRequest:
+    base: dict[str, object] = {
+        "cohort_id": "j/1/abcd",
+        "job_id": "j",
+        "round": 1,
+        "rank": 0,
+        "world_size": 4,
+        "host": "node0",
+        "incarnation": "i0",
+        "step": 7,
+        "digest": DIGEST,
+        "digest_format": DIGEST_FORMAT_VERSION,
+    }
+    return pb.AuditRequest(audits=[pb.RankAudit(**{**base, **fields})])  # type: ignore[arg-type]
+
+
+def test_an_audit_at_its_bounds_is_taken() -> None:
+    limits = Limits(max_world_size=8)
+    for fields in (
+        {"world_size": 1},  # a one-rank job audits too
+        {"world_size": 8, "rank": 7},
+        {"step": (1 << 62) - 1},
+    ):
+        audits, beats = rpc.audits_of(audit(**fields), limits)
+        assert len(audits) == 1 and len(beats) == 1, fields
+        assert (audits[0].world_size, audits[0].rank, audits[0].step) == (
+            fields.get("world_size", 4),
+            fields.get("rank", 0),
+            fields.get("step", 7),
+        )
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"world_size": 0}, "world_size 0 is outside 1..8 (--max-world-size)"),
+        ({"world_size": 9}, "world_size 9 is outside 1..8 (--max-world-size)"),
+        ({"rank": 4}, "rank 4 is outside the world size 4"),
+        ({"step": 1 << 62}, f"step {1 << 62} is past 2^62"),
+        ({"cohort_id": "k/1/abcd"}, "cohort_id 'k/1/abcd' is not a cohort of job 'j' round 1"),
+        ({"cohort_id": "j/2/abcd"}, "cohort_id 'j/2/abcd' is not a cohort of job 'j' round 1"),
+    ],
+)
+def test_an_audit_past_a_bound_is_refused_naming_it(fields: dict[str, object], says: str) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        rpc.audits_of(audit(**fields), Limits(max_world_size=8))
+    assert str(raised.value).startswith(says), str(raised.value)
