@@ -45,13 +45,17 @@ class Tracked:
     asks_poked: int = -1  # Asks.made when the ask holders' calls were last woken
     # (kind, rank) of the upload asks long polls have passed on: told once, as on a stream
     polled: set[tuple[UploadKind, int]] = field(default_factory=set)
-    timers: dict[str, tuple[float, asyncio.TimerHandle]] = field(default_factory=dict)
+    # What is due when, by label ("recheck", "asks", "record"): one loop timer per cohort,
+    # at the earliest of them (Book.arm).
+    due: dict[str, tuple[float, Callable[[], None]]] = field(default_factory=dict)
+    timer: tuple[float, asyncio.TimerHandle] | None = None
 
     def cancel(self, *labels: str) -> None:
-        for label in labels or tuple(self.timers):
-            entry = self.timers.pop(label, None)
-            if entry is not None:
-                entry[1].cancel()
+        for label in labels or tuple(self.due):
+            self.due.pop(label, None)
+        if not self.due and self.timer is not None:
+            self.timer[1].cancel()
+            self.timer = None
 
 
 class Book:
@@ -78,21 +82,40 @@ class Book:
     def arm(
         self, cohort: LiveCohort, label: str, at: float, action: Callable[[LiveCohort], None]
     ) -> None:
-        """Call `action(cohort)` at wall time `at` (LATE_S after): one timer per (cohort,
-        label), moved when `at` changes."""
+        """Call `action(cohort)` at wall time `at` (LATE_S after), one action per (cohort,
+        label), moved when `at` changes. A cohort has one loop timer, at the earliest of its
+        actions; when it fires, every action then due runs, earliest first."""
         tracked = self.of(cohort)
-        held = tracked.timers.get(label)
-        if held is not None:
-            if held[0] == at:
+        held = tracked.due.get(label)
+        if held is not None and held[0] == at:
+            return
+        tracked.due[label] = (at, lambda: action(cohort))
+        self._wake(tracked)
+
+    def _wake(self, tracked: Tracked) -> None:
+        """The cohort's one timer, at its earliest due action (none: no timer)."""
+        if not tracked.due:
+            tracked.cancel()
+            return
+        earliest = min(at for at, _ in tracked.due.values())
+        if tracked.timer is not None:
+            if tracked.timer[0] == earliest:
                 return
-            held[1].cancel()
+            tracked.timer[1].cancel()
+        delay = max(earliest - self.clock(), 0.0) + LATE_S
+        handle = asyncio.get_running_loop().call_later(delay, self._fire, tracked)
+        tracked.timer = (earliest, handle)
 
-        def fire() -> None:
-            tracked.timers.pop(label, None)
-            action(cohort)
-
-        delay = max(at - self.clock(), 0.0) + LATE_S
-        tracked.timers[label] = (at, asyncio.get_running_loop().call_later(delay, fire))
+    def _fire(self, tracked: Tracked) -> None:
+        tracked.timer = None
+        now = self.clock()
+        ready = sorted((at, label) for label, (at, _) in tracked.due.items() if at <= now)
+        for _, label in ready:
+            entry = tracked.due.pop(label, None)  # an earlier action may have cancelled it
+            if entry is not None:
+                entry[1]()
+        if tracked.due and tracked.timer is None:
+            self._wake(tracked)
 
     def close(self) -> None:
         for tracked in self._tracked.values():
