@@ -42,6 +42,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # In-process coordinators log through structlog; keep only warnings in the test output
 # (tests that read logs run the coordinator as a subprocess with JSON logs).
 from cohortgate.coordinator.cli import logs  # noqa: E402
+from tests.contract import Clock  # noqa: E402
 from tests.etcd import EtcdServer, etcd_server  # noqa: E402
 from tests.helpers import InProcessCoordinator  # noqa: E402
 
@@ -124,3 +125,9 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """The test session's etcd (each test takes a key prefix of its own: tests.etcd.prefix)."""
     with etcd_server(tmp_path_factory.mktemp("etcd")) as server:
         yield server
+
+
+@pytest.fixture
+def clock() -> Clock:
+    """Wall time, moved by hand (the contract suites' stores and verdicts)."""
+    return Clock()

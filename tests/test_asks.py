@@ -1,5 +1,5 @@
 """One ask: a rank of a class is asked for an upload, handed over when it leaves, and an
-upload that does not match is named by its kind. MemoryStore-level, with no network."""
+upload that does not match is named by its kind. Cohorts-level, with no network."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from cohortgate.coordinator.decision.checks import Policies
 from cohortgate.coordinator.decision.cohort import Member, UploadKind
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.verdict import Cause, Outcome
+from cohortgate.coordinator.service.cohorts import Cohorts
 from cohortgate.coordinator.state.asks import UploadRef
 from cohortgate.coordinator.state.base import InvalidUpload, JoinIntent
-from cohortgate.coordinator.state.memory import MemoryStore
 from tests.helpers import decide_in
 
 MANIFEST = Manifest.of([Entry(Kind.PARAMETER, "w", "float32", (4, 4), True)])
@@ -24,11 +24,11 @@ WEIGHTS = {d: combine(zip(["w"], PER_TENSOR[d], strict=True)) for d in (1, 2)}
 OPTIONS = FormationOptions(policies=Policies.parse(["weights=strict"]))
 
 
-def _registry() -> MemoryStore:
-    return MemoryStore(clock=lambda: 100.0)
+def _registry() -> Cohorts:
+    return Cohorts(clock=lambda: 100.0)
 
 
-def _join(registry: MemoryStore, rank: int, digest: int) -> Member:
+def _join(registry: Cohorts, rank: int, digest: int) -> Member:
     member = Member(
         rank=rank,
         host=f"node{rank}",
@@ -86,7 +86,7 @@ def test_digests_that_do_not_combine_refuse_as_digests_not_as_a_manifest() -> No
 def test_a_rejoin_naming_an_abandoned_round_is_over_once_the_next_round_is_decided() -> None:
     from cohortgate.coordinator.contract.errors import FailedPrecondition
 
-    store = MemoryStore(clock=lambda: 100.0)
+    store = Cohorts(clock=lambda: 100.0)
 
     def member(rank: int, incarnation: str) -> Member:
         return Member(rank, "h", 1, incarnation, MANIFEST.signature(), 1)

@@ -16,8 +16,8 @@ from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.contract.errors import FailedPrecondition
 from cohortgate.coordinator.decision.admit import ROUNDS_KEPT
 from cohortgate.coordinator.decision.verdict import Outcome
+from cohortgate.coordinator.service.cohorts import Cohorts
 from cohortgate.coordinator.state.base import JoinIntent
-from cohortgate.coordinator.state.memory import MemoryStore
 from tests.helpers import InProcessCoordinator, decide_in, manifest_of, member_of, wait_joined
 from tests.launches import agent_rank
 from tests.netfault import FaultProxy
@@ -31,7 +31,7 @@ WORLD = 6
 M = manifest_of()
 
 
-def _abandon_rounds(store: MemoryStore, job: str, count: int) -> None:
+def _abandon_rounds(store: Cohorts, job: str, count: int) -> None:
     """`count` rounds that rank 0 opens and leaves (a reset of every connection each)."""
     for _ in range(count):
         result = store.join(JoinIntent(job, 0, member_of(0, M), 2))
@@ -43,7 +43,7 @@ def _abandon_rounds(store: MemoryStore, job: str, count: int) -> None:
 def test_a_rank_naming_an_abandoned_round_joins_the_open_one(abandoned: int) -> None:
     """However many rounds were abandoned since (and forgotten), a rank that re-joins naming
     one that was never decided takes part in the open round."""
-    store = MemoryStore(lambda: 0.0)
+    store = Cohorts(lambda: 0.0)
     _abandon_rounds(store, "flap", abandoned)
     opened = store.join(JoinIntent("flap", 0, member_of(0, M), 2))
     late = store.join(JoinIntent("flap", 1, member_of(1, M), 2))
@@ -55,7 +55,7 @@ def test_a_rank_naming_a_round_decided_without_it_is_told_it_is_over() -> None:
     """A round decided while the rank was away (here refused at its deadline, naming it
     missing): its ranks have their verdict, and the rank must not start a round alone."""
     now = [0.0]
-    store = MemoryStore(lambda: now[0])
+    store = Cohorts(lambda: now[0])
     _abandon_rounds(store, "away", 2)
     first = store.join(JoinIntent("away", 0, member_of(0, M), 2))
     now[0] += 3600.0  # past the join deadline: refused, rank 1 missing
@@ -72,7 +72,7 @@ def test_a_rank_naming_a_round_decided_without_it_is_told_it_is_over() -> None:
 def test_a_decided_round_is_kept_however_many_rounds_are_abandoned_after_it() -> None:
     """Abandoned rounds never push a decided one out: its ranks' re-joins replay it."""
     now = [0.0]
-    store = MemoryStore(lambda: now[0])
+    store = Cohorts(lambda: now[0])
     ranks = [member_of(r, M) for r in (0, 1)]
     for m in ranks:
         result = store.join(JoinIntent("kept", 0, m, 2))

@@ -19,8 +19,8 @@ from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.report import judge
 from cohortgate.coordinator.edge.config import run_history
+from cohortgate.coordinator.service.cohorts import Cohorts
 from cohortgate.coordinator.state.base import JoinIntent
-from cohortgate.coordinator.state.memory import MemoryStore
 from tests.helpers import (
     REPO,
     InProcessCoordinator,
@@ -49,7 +49,7 @@ def cli(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProc
 
 # -- a 2-2 split names no culprit -------------------------------------------------------
 def _split_headline(sizes: tuple[int, int]) -> str:
-    store = MemoryStore(time.time)
+    store = Cohorts(time.time)
     narrow, wide = manifest_of(4), manifest_of(8)
     world = sum(sizes)
     for rank in range(world):

@@ -210,10 +210,10 @@ def test_a_successor_rejoining_after_its_round_was_forgotten_joins_the_open_roun
     (ROUNDS_KEPT newer rounds), its re-join is a join like any other, not a lookup of a
     round that is gone."""
     from cohortgate.coordinator.decision.admit import ROUNDS_KEPT
-    from cohortgate.coordinator.state.memory import MemoryStore
+    from cohortgate.coordinator.service.cohorts import Cohorts
 
     now = [0.0]
-    store = MemoryStore(lambda: now[0])
+    store = Cohorts(lambda: now[0])
 
     def form(m: Member) -> None:
         result = store.join(JoinIntent("forgot", 0, m, 1))
@@ -235,9 +235,9 @@ def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict
     """No launch (no torchrun): a new process of the same rank on the same host, within the
     successor window, takes its predecessor's place in the decided round; one on another
     host does not."""
-    from cohortgate.coordinator.state.memory import MemoryStore
+    from cohortgate.coordinator.service.cohorts import Cohorts
 
-    store = MemoryStore(lambda: 0.0)
+    store = Cohorts(lambda: 0.0)
     old = member(0)
     old.launch = ""
     result = store.join(JoinIntent("lone", 0, old, 1))
@@ -247,7 +247,7 @@ def test_a_rank_started_without_torchrun_restarted_alone_gets_its_rounds_verdict
     elsewhere = member(0)
     elsewhere.launch, elsewhere.host = "", "another-host"
     assert not store.join(JoinIntent("lone", 0, elsewhere, 1)).replayed
-    store = MemoryStore(lambda: 0.0)
+    store = Cohorts(lambda: 0.0)
     result = store.join(JoinIntent("lone", 0, old, 1))
     result.cohort.state.manifests[old.signature] = M
     decide_in(store, result.cohort, 0.0)
@@ -261,9 +261,9 @@ def test_a_torchrun_worker_restarted_with_its_node_joins_the_next_round() -> Non
     """torchrun restarts a healthy node's workers, without raising their restart count,
     when another node re-rendezvouses after a crash: same launch, same count, same model,
     seconds after the decision. They are no successors: the job's next round is theirs."""
-    from cohortgate.coordinator.state.memory import MemoryStore
+    from cohortgate.coordinator.service.cohorts import Cohorts
 
-    store = MemoryStore(lambda: 0.0)
+    store = Cohorts(lambda: 0.0)
     old = member(0)
     old.elastic = True
     result = store.join(JoinIntent("elastic", 0, old, 1))

@@ -30,6 +30,7 @@ from cohortgate.coordinator.service.admission import Admission
 from cohortgate.coordinator.service.audits import Audits
 from cohortgate.coordinator.service.book import Book
 from cohortgate.coordinator.service.calls import Calls
+from cohortgate.coordinator.service.cohorts import Cohorts
 from cohortgate.coordinator.service.deciding import OFFLOAD_ABOVE, Decider
 from cohortgate.coordinator.service.delivery import Delivery
 from cohortgate.coordinator.service.departures import Departures
@@ -40,7 +41,7 @@ from cohortgate.coordinator.service.status import CohortSummary, summarize
 from cohortgate.coordinator.service.uploads import Uploads
 from cohortgate.coordinator.service.watchers import WatchHub
 from cohortgate.coordinator.state.asks import UploadRef
-from cohortgate.coordinator.state.backends import open_cohorts, open_verdicts
+from cohortgate.coordinator.state.backends import open_verdicts
 from cohortgate.coordinator.state.base import CohortStore, JoinIntent, LiveCohort, VerdictStore
 
 # Listings of up to this many cohorts are exact; larger ones may be 0.25 s stale.
@@ -69,7 +70,7 @@ class Coordinator:
         self.limits = limits or Limits()
         self.history = history or open_verdicts(None)
         self.history.listeners.append(self.observer.history_failed)
-        self.store = store or open_cohorts(clock, self.history, self.limits)
+        self.store = store or Cohorts(clock, self.history.last_round, self.limits)
         self.clock = clock
         self.book = Book(clock)
         self.calls = Calls()

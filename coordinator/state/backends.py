@@ -1,8 +1,9 @@
 """Which backend holds what: every caller opens its stores here, never a backend module.
 
-Cohorts in memory (`MemoryStore`); verdicts in SQLite (`History`, a file path), in etcd
-for active/standby replicas (`EtcdHistory`, serve --etcd), or in memory (`MemoryHistory`,
---history off). Every verdict backend passes tests/test_store_contract.py.
+Live jobs in memory (`MemoryCohorts`, under the service's rules); verdicts in SQLite
+(`History`, a file path), in etcd for active/standby replicas (`EtcdHistory`, serve --etcd),
+or in memory (`MemoryHistory`, --history off). Every backend passes
+tests/test_store_contract.py.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cohortgate.coordinator.contract.limits import Limits
-from cohortgate.coordinator.state.base import CohortStore, VerdictStore
+from cohortgate.coordinator.state.base import CohortData, VerdictStore
 
 if TYPE_CHECKING:
     from cohortgate.coordinator.etcd.client import EtcdThread
@@ -31,13 +31,11 @@ def open_verdicts(
     return History(spec, retention_days, readonly=readonly)
 
 
-def open_cohorts(
-    clock: Callable[[], float], verdicts: VerdictStore, limits: Limits | None = None
-) -> CohortStore:
-    """Live cohorts, in the leading coordinator's memory; rounds continue from `verdicts`."""
-    from cohortgate.coordinator.state.memory import MemoryStore
+def open_cohort_data() -> CohortData:
+    """Where the live jobs are kept: the leading coordinator's memory."""
+    from cohortgate.coordinator.state.memory import MemoryCohorts
 
-    return MemoryStore(clock, verdicts.last_round, limits)
+    return MemoryCohorts()
 
 
 def open_etcd_verdicts(

@@ -1,8 +1,8 @@
 """The state interface: where live cohorts are held, and where verdicts are kept.
 
-The service talks to a `CohortStore` and a `VerdictStore` only. Today they are in memory
-(`memory.MemoryStore`) and in SQLite (`history.History`); a durable or replicated store for a
-highly available coordinator would implement the same two interfaces.
+The service talks to a `CohortStore` (its rules, service/cohorts.py, over a `CohortData`:
+jobs by id, `memory.MemoryCohorts`) and a `VerdictStore` (in memory, SQLite or etcd); a
+durable or replicated store implements `CohortData` or `VerdictStore`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class JoinResult:
     member: Member
     replayed: bool = False  # a decided round's verdict handed back to the same incarnation
     # ... or to a successor: a new incarnation of a member, of the same launch and torchrun
-    # generation, that came back as the round was decided (see MemoryStore._successor)
+    # generation, that came back as the round was decided (see decision/admit.py: is_successor)
     successor: bool = False
     opened: bool = False  # this join opened the cohort (a new round)
     intruder: bool = False  # of another launch, for a rank held: refuses the cohort
@@ -128,6 +128,42 @@ class VerdictRow:
             members=members,
             verdict=verdict,
         )
+
+
+@dataclass
+class Job:
+    """A job the coordinator holds: its open (or last) round and the decided rounds kept."""
+
+    job_id: str
+    current: LiveCohort
+    rounds: dict[int, LiveCohort] = field(default_factory=dict)
+    # incarnation -> round it took part in, for decided rounds still kept
+    incarnations: dict[str, int] = field(default_factory=dict)
+    # The newest decided round (or the history's last one): a re-join naming a round after
+    # it names one that was abandoned, even once that round is forgotten.
+    last_decided: int = 0
+
+
+class CohortData(abc.ABC):
+    """Where the live jobs are kept, by id: data only, no rule (the service's `Cohorts`
+    applies the rules to it). Live cohorts stay in the leading coordinator's memory (a
+    backend need not persist them: see ARCHITECTURE.md, A second state backend); `get`
+    returns the live object, whose later changes show through it."""
+
+    @abc.abstractmethod
+    def get(self, job_id: str) -> Job | None: ...
+
+    @abc.abstractmethod
+    def put(self, job: Job) -> None:
+        """Keep `job` (a new one, or the same object again)."""
+
+    @abc.abstractmethod
+    def drop(self, job_id: str) -> None:
+        """Forget the job (nothing if it is not held)."""
+
+    @abc.abstractmethod
+    def jobs(self) -> list[Job]:
+        """Every job held, in the order they were first kept."""
 
 
 class CohortStore(abc.ABC):
