@@ -7,6 +7,7 @@ import pytest
 
 from cohortgate.coordinator.contract.digests import DIGEST_BYTES, combine
 from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
+from cohortgate.coordinator.decision import asks
 from cohortgate.coordinator.decision.checks import Policies
 from cohortgate.coordinator.decision.cohort import Member, UploadKind
 from cohortgate.coordinator.decision.formation import FormationOptions
@@ -51,16 +52,16 @@ def test_a_digest_ask_is_handed_over_when_its_rank_leaves() -> None:
     members = [_join(registry, 0, 1), _join(registry, 1, 1), _join(registry, 2, 2)]
     cohort = registry.find("job")
     assert cohort is not None
-    assert [a.kind for a in cohort.asks.of(members[0])] == [UploadKind.MANIFEST]
+    assert [a.kind for a in asks.of(cohort.asks, members[0])] == [UploadKind.MANIFEST]
     registry.upload(_ref(members[0]), MANIFEST, MANIFEST.signature())
     decision = decide_in(registry, cohort, 100.0, OPTIONS)
     assert decision is not None and decision.outcome is Outcome.WAITING
-    assert [a.kind for a in cohort.asks.of(members[0])] == [UploadKind.DIGESTS]
-    assert [a.kind for a in cohort.asks.of(members[2])] == [UploadKind.DIGESTS]
-    assert cohort.asks.of(members[1]) == []
+    assert [a.kind for a in asks.of(cohort.asks, members[0])] == [UploadKind.DIGESTS]
+    assert [a.kind for a in asks.of(cohort.asks, members[2])] == [UploadKind.DIGESTS]
+    assert asks.of(cohort.asks, members[1]) == []
     successors = registry.leave(cohort, members[0])
     assert successors == [members[1]]
-    assert [(a.kind, a.key) for a in cohort.asks.of(members[1])] == [
+    assert [(a.kind, a.key) for a in asks.of(cohort.asks, members[1])] == [
         (UploadKind.DIGESTS, WEIGHTS[1])
     ]
 

@@ -19,6 +19,7 @@ from cohortgate.coordinator.contract.errors import (
     InvalidArgument,
     NotFound,
 )
+from cohortgate.coordinator.decision import asks
 from cohortgate.coordinator.decision.cohort import CohortState, UploadKind
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.report import judge
@@ -179,10 +180,10 @@ def test_the_first_rank_of_each_signature_is_asked_and_the_ask_moves_when_it_lea
     cohort = store.join(JoinIntent("j", 0, a, 3)).cohort
     store.join(JoinIntent("j", 0, b, 3))
     store.join(JoinIntent("j", 0, c, 3))
-    asked = {m.rank: [x.kind for x in cohort.asks.of(m)] for m in (a, b, c)}
+    asked = {m.rank: [x.kind for x in asks.of(cohort.asks, m)] for m in (a, b, c)}
     assert asked == {0: [UploadKind.MANIFEST], 1: [], 2: [UploadKind.MANIFEST]}
     assert store.leave(cohort, a) == [b], "the ask goes to another rank of its signature"
-    assert [x.kind for x in cohort.asks.of(b)] == [UploadKind.MANIFEST]
+    assert [x.kind for x in asks.of(cohort.asks, b)] == [UploadKind.MANIFEST]
     clock.now += 10
     assert store.rotate_asks(cohort, 5.0) == [], "nobody else holds the wide signature"
 

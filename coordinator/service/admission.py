@@ -235,7 +235,7 @@ class Admission:
         A long poll's asks are told once per cohort and member, across its calls; a quiet
         poll that names its round has had its progress event."""
         told = self.book.of(cohort).polled if poll else set()
-        asks_seen = -1  # Asks.made when this call last looked at its members' asks
+        asks_seen = -1  # AskBook.made when this call last looked at its members' asks
         quiet = all(i.quiet for i in intents)
         # The first progress event waits one interval: a call that completes sooner gets
         # only its verdict (most calls of a job that forms at once).
@@ -376,7 +376,7 @@ class Admission:
 def _new_asks(cohort: LiveCohort, held: Held, told: set[tuple[UploadKind, int]]) -> list[UploadAsk]:
     """The asks this call's members hold that it has not passed on yet, by member then kind.
     O(open asks), not O(members): a call of 64 ranks holds at most a few asks."""
-    asks = cohort.asks.open_asks()
+    asks = list(cohort.asks.open.values())
     if not asks:
         return []
     position = {m.rank: i for i, (_, m) in enumerate(held)}

@@ -42,7 +42,7 @@ class Tracked:
     # None: not being decided off the loop; False: it is; True: decide again when it returns
     deciding: bool | None = None
     progress: tuple[float, int, Progress] | None = None  # (made at, state version, event)
-    asks_poked: int = -1  # Asks.made when the ask holders' calls were last woken
+    asks_poked: int = -1  # AskBook.made when the ask holders' calls were last woken
     # (kind, rank) of the upload asks long polls have passed on: told once, as on a stream
     polled: set[tuple[UploadKind, int]] = field(default_factory=set)
     # What is due when, by label ("recheck", "asks", "record"): one loop timer per cohort,

@@ -16,11 +16,12 @@ from cohortgate.coordinator.contract.errors import (
 )
 from cohortgate.coordinator.contract.limits import Limits
 from cohortgate.coordinator.contract.manifest import HeldManifest, ManifestLike
-from cohortgate.coordinator.decision import admit
+from cohortgate.coordinator.decision import admit, asks
 from cohortgate.coordinator.decision import upload_checks as checks
+from cohortgate.coordinator.decision.asks import key_of, uploaded
 from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind, modules_key
 from cohortgate.coordinator.decision.verdict import Decision, Outcome, Verdict
-from cohortgate.coordinator.state.asks import UploadRef, key_of, uploaded
+from cohortgate.coordinator.state.asks import UploadRef
 from cohortgate.coordinator.state.backends import open_cohort_data
 from cohortgate.coordinator.state.base import (
     CohortData,
@@ -79,7 +80,7 @@ class Cohorts(CohortStore):
             self.waiting_cohorts += 1
         state.add(member, now)
         # The first rank of each signature is asked for its manifest at once.
-        cohort.asks.ask(state, UploadKind.MANIFEST, member.signature, prefer=member, now=now)
+        asks.ask(cohort.asks, state, UploadKind.MANIFEST, member.signature, prefer=member, now=now)
         return JoinResult(cohort, member, opened=opened)
 
     def _round_for(self, job: Job | None, intent: JoinIntent, now: float) -> Job:
@@ -154,7 +155,7 @@ class Cohorts(CohortStore):
         if cohort.state.holds(member):
             self.waiting_ranks -= 1
         cohort.state.remove(member, self.clock())
-        return cohort.asks.hand_over(cohort.state, member)
+        return asks.hand_over(cohort.asks, cohort.state, member)
 
     def abandon(self, cohort: LiveCohort) -> bool:
         """A waiting cohort whose every rank has left is abandoned at once: its slot is
@@ -188,7 +189,7 @@ class Cohorts(CohortStore):
         self, cohort: LiveCohort, kind: UploadKind, key: bytes, message: str
     ) -> InvalidUpload:
         cohort.state.invalid_uploads.setdefault((kind, key), message)
-        cohort.asks.done(kind, key)
+        asks.done(cohort.asks, kind, key)
         return InvalidUpload(message, cohort)
 
     def wants_upload(self, ref: UploadRef, kind: UploadKind, claimed: bytes, size: int) -> bool:
@@ -225,7 +226,7 @@ class Cohorts(CohortStore):
             cohort.state.manifests[claimed] = held
             cohort.manifest_bytes += size
             self.manifest_bytes += size
-        cohort.asks.done(UploadKind.MANIFEST, claimed)
+        asks.done(cohort.asks, UploadKind.MANIFEST, claimed)
         return cohort
 
     def _drop_uploads(self, cohort: LiveCohort) -> None:
@@ -245,9 +246,9 @@ class Cohorts(CohortStore):
         if decision.outcome is Outcome.WAITING:
             # One representative per weights digest (its lowest rank) is asked for its list.
             for digest in decision.awaiting_digests:
-                cohort.asks.ask(cohort.state, UploadKind.DIGESTS, digest, now=now)
+                asks.ask(cohort.asks, cohort.state, UploadKind.DIGESTS, digest, now=now)
             for key in decision.awaiting_files:
-                cohort.asks.ask(cohort.state, UploadKind.FILES, key, now=now)
+                asks.ask(cohort.asks, cohort.state, UploadKind.FILES, key, now=now)
             return True
         assert verdict is not None, "a decided cohort comes with its verdict (judge)"
         cohort.verdict = verdict
@@ -290,7 +291,7 @@ class Cohorts(CohortStore):
         if lie is not None:
             raise self._invalid(cohort, UploadKind.DIGESTS, member.weights_digest, lie)
         cohort.state.tensor_digests.setdefault(member.weights_digest, tuple(digests))
-        cohort.asks.done(UploadKind.DIGESTS, member.weights_digest)
+        asks.done(cohort.asks, UploadKind.DIGESTS, member.weights_digest)
         return cohort
 
     def upload_files(self, ref: UploadRef, files: list[tuple[str, bytes]]) -> LiveCohort:
@@ -300,7 +301,7 @@ class Cohorts(CohortStore):
             raise FailedPrecondition(
                 f"rank {ref.rank} joined without a modules field; there are no files to name"
             )
-        cohort.asks.done(UploadKind.FILES, key)
+        asks.done(cohort.asks, UploadKind.FILES, key)
         lie = checks.files_lie(ref.rank, member, key, files_field(files).encode())
         if lie is not None:
             cohort.state.files.setdefault(key, ())  # unknown: the report says so
@@ -311,7 +312,7 @@ class Cohorts(CohortStore):
     def rotate_asks(self, cohort: LiveCohort, after_s: float) -> list[Member]:
         if cohort.settled:
             return []
-        return cohort.asks.rotate(cohort.state, self.clock(), after_s)
+        return asks.rotate(cohort.asks, cohort.state, self.clock(), after_s)
 
     def holds(self, job_id: str) -> bool:
         return self.data.get(job_id) is not None

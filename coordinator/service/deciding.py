@@ -12,6 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import structlog
 
+from cohortgate.coordinator.decision import asks
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.report import judge
 from cohortgate.coordinator.decision.verdict import Decision, Verdict
@@ -161,12 +162,12 @@ class Decider:
             # New asks: their holders' calls pass them on (not on every join: a holder's
             # call would otherwise wake once per call that joins after it).
             tracked.asks_poked = cohort.asks.made
-            for holder in cohort.asks.holders(cohort.state):
+            for holder in asks.holders(cohort.asks, cohort.state):
                 self.calls.poke(cohort, holder)
         # The one moment the decision can change by itself; evaluated again then.
         if decision.recheck_at is not None:
             self.book.arm(cohort, "recheck", decision.recheck_at, self.evaluate)
-        oldest = cohort.asks.oldest()
+        oldest = asks.oldest(cohort.asks)
         if oldest is not None:
             self.book.arm(cohort, "asks", oldest + ASK_AGAIN_S, self._ask_again)
 

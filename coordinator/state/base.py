@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from cohortgate.coordinator.contract import ranges
 from cohortgate.coordinator.contract.errors import InvalidArgument
 from cohortgate.coordinator.contract.manifest import ManifestLike
-from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind
+from cohortgate.coordinator.decision.cohort import AskBook, CohortState, Member, UploadKind
 from cohortgate.coordinator.decision.verdict import AuditFinding, Decision, Verdict
-from cohortgate.coordinator.state.asks import Asks, UploadRef
+from cohortgate.coordinator.state.asks import UploadRef
 
 
 class InvalidUpload(InvalidArgument):
@@ -45,7 +45,7 @@ class LiveCohort:
     state: CohortState
     verdict: Verdict | None = None
     # who is asked for which upload (manifests at join, per-tensor digests on demand)
-    asks: Asks = field(default_factory=Asks)
+    asks: AskBook = field(default_factory=AskBook)
     abandoned_at: float | None = None  # every rank left before a verdict
     manifest_bytes: int = 0  # upload bytes of the manifests held (see Limits)
 
