@@ -10,7 +10,12 @@ import pytest
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.codec.wire import MAX_JOB_ID
 from cohortgate.coordinator.contract.digests import DIGEST_FORMAT_VERSION, MAX_FILE_PATH, MAX_FILES
-from cohortgate.coordinator.contract.errors import CoordinatorError, InvalidArgument, LimitExceeded
+from cohortgate.coordinator.contract.errors import (
+    CoordinatorError,
+    FailedPrecondition,
+    InvalidArgument,
+    LimitExceeded,
+)
 from cohortgate.coordinator.contract.limits import Limits
 from cohortgate.coordinator.edge import rpc
 from tests.helpers import join_request, manifest_of
@@ -190,9 +195,26 @@ def test_an_audit_at_its_bounds_is_taken() -> None:
         ({"step": 1 << 62}, f"step {1 << 62} is past 2^62"),
         ({"cohort_id": "k/1/abcd"}, "cohort_id 'k/1/abcd' is not a cohort of job 'j' round 1"),
         ({"cohort_id": "j/2/abcd"}, "cohort_id 'j/2/abcd' is not a cohort of job 'j' round 1"),
+        ({"cohort_id": ""}, "cohort_id is empty; it is required"),
+        ({"cohort_id": "j/1/" + "x" * 125}, "cohort_id is 129 characters long; the limit is 128"),
+        ({"job_id": "", "cohort_id": "/1/x"}, "job_id is empty; it is required"),
     ],
 )
 def test_an_audit_past_a_bound_is_refused_naming_it(fields: dict[str, object], says: str) -> None:
     with pytest.raises(InvalidArgument) as raised:
         rpc.audits_of(audit(**fields), Limits(max_world_size=8))
-    assert str(raised.value).startswith(says), str(raised.value)
+    assert type(raised.value) is InvalidArgument and str(raised.value).startswith(says), str(
+        raised.value
+    )
+
+
+def test_an_audit_in_another_digest_format_says_to_upgrade() -> None:
+    with pytest.raises(FailedPrecondition) as raised:
+        rpc.audits_of(audit(digest_format=DIGEST_FORMAT_VERSION + 1))
+    assert str(raised.value) == (
+        f"digest_format {DIGEST_FORMAT_VERSION + 1} is not {DIGEST_FORMAT_VERSION} "
+        f"(cohortgate.digest.v{DIGEST_FORMAT_VERSION}): upgrade the agent or the coordinator so "
+        "that both agree"
+    )
+    mark = rpc.audits_of(audit(digest=b"", digest_format=0, step_only=True))
+    assert mark == ([], mark[1]) and len(mark[1]) == 1, "a step mark: no digest, a beat"
