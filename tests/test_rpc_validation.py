@@ -218,3 +218,37 @@ def test_an_audit_in_another_digest_format_says_to_upgrade() -> None:
     )
     mark = rpc.audits_of(audit(digest=b"", digest_format=0, step_only=True))
     assert mark == ([], mark[1]) and len(mark[1]) == 1, "a step mark: no digest, a beat"
+
+
+def test_an_audit_carries_every_field_it_is_judged_by() -> None:
+    """Who sent it (host, incarnation), its replica group (ranks are compared within their
+    group only), whether its job is done or paused: each reaches the audit and the beat."""
+    names, digests = ["fc.weight"], [DIGEST]
+    request = audit(
+        rank=2,
+        host="node7",
+        incarnation="i" * 128,
+        group="dp0",
+        done=True,
+        paused="checkpoint",
+        paused_s=3.5,
+        tensor_names=names,
+        tensor_digests=digests,
+        tensors_truncated=True,
+    )
+    (got,), (beat,) = rpc.audits_of(request)
+    assert (got.host, got.incarnation, got.group) == ("node7", "i" * 128, "dp0")
+    assert got.tensors == (("fc.weight", DIGEST),) and got.truncated
+    assert (beat.host, beat.incarnation, beat.rank, beat.step) == ("node7", "i" * 128, 2, 7)
+    assert beat.done and (beat.paused, beat.paused_s) == ("checkpoint", 3.5)
+    for fields, says in (
+        ({"incarnation": "i" * 129}, "incarnation is 129 characters long; the limit is 128"),
+        ({"host": "x" * 5000}, "host is 5000 characters long"),
+        (
+            {"paused": "p" * (rpc.MAX_FRAME_TEXT + 1)},
+            f"paused is {rpc.MAX_FRAME_TEXT + 1} characters",
+        ),
+    ):
+        with pytest.raises(InvalidArgument) as raised:
+            rpc.audits_of(audit(**fields))
+        assert str(raised.value).startswith(says), str(raised.value)
