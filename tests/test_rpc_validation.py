@@ -241,6 +241,8 @@ def test_an_audit_carries_every_field_it_is_judged_by() -> None:
     assert got.tensors == (("fc.weight", DIGEST),) and got.truncated
     assert (beat.host, beat.incarnation, beat.rank, beat.step) == ("node7", "i" * 128, 2, 7)
     assert beat.done and (beat.paused, beat.paused_s) == ("checkpoint", 3.5)
+    longest = "p" * rpc.MAX_FRAME_TEXT  # a pause's reason may be as long as a stack frame
+    assert rpc.audits_of(audit(paused=longest))[1][0].paused == longest
     for fields, says in (
         ({"incarnation": "i" * 129}, "incarnation is 129 characters long; the limit is 128"),
         ({"host": "x" * 5000}, "host is 5000 characters long"),
