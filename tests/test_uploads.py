@@ -342,8 +342,10 @@ def test_a_rank_asked_for_its_manifest_that_leaves_hands_the_ask_to_another_at_o
             reader.start()
             wait_joined(c.addr, "handover", 2)
             first.cancel()  # rank 0 goes before uploading
-            reader.join(timeout=5)
-            assert events, "rank 1 was not asked within 5 s of rank 0 leaving"
+            # Well inside deciding.ASK_AGAIN_S (5 s), after which a silent holder's ask moves
+            # anyway: this is the departure's own hand-over.
+            reader.join(timeout=2)
+            assert events, "rank 1 was not asked within 2 s of rank 0 leaving"
             (event,) = events
             assert event.WhichOneof("event") == "manifest_request"
             assert event.manifest_request.rank == 1
