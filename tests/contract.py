@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-import uuid
 
+from cohortgate.coordinator.contract.manifest import Manifest
 from cohortgate.coordinator.decision.cohort import Member
 from cohortgate.coordinator.state.asks import UploadRef
 from cohortgate.coordinator.state.base import CohortStore, JoinIntent, LiveCohort
-from tests.helpers import manifest_of
+from tests.helpers import manifest_of, member_of
 
 M, WIDE = manifest_of(4), manifest_of(8)
 
@@ -23,18 +23,9 @@ class Clock:
         return self.now
 
 
-def member(rank: int, manifest: object = M, launch: str = "node0:29500") -> Member:
-    signature = manifest.signature()  # type: ignore[attr-defined]
-    return Member(
-        rank=rank,
-        host=f"host{rank}",
-        pid=100 + rank,
-        incarnation=uuid.uuid4().hex,
-        signature=signature,
-        manifest_entries=len(manifest),  # type: ignore[arg-type]
-        init_method="tcp://127.0.0.1:29999" if rank == 0 else "",
-        launch=launch,
-    )
+def member(rank: int, manifest: Manifest = M, launch: str = "node0:29500") -> Member:
+    """A rank's join as a store holds it, one host per rank, of launch `launch`."""
+    return member_of(rank, manifest, host=f"host{rank}", pid=100 + rank, launch=launch)
 
 
 def pair(store: CohortStore) -> tuple[LiveCohort, Member, Member]:

@@ -15,7 +15,13 @@ import grpc
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
-from cohortgate.coordinator.cli.ops import _addr, _dict, _fail, _say_unknown, security_of
+from cohortgate.coordinator.cli.ops import (
+    address_of,
+    as_dict,
+    say_failure,
+    say_unknown,
+    security_of,
+)
 from cohortgate.coordinator.cli.ops_settings import ExplainSettings
 from cohortgate.coordinator.contract.errors import CoordinatorError
 from cohortgate.coordinator.edge.replies import finding_to_pb, record_to_pb
@@ -134,16 +140,16 @@ def _local_histories(job: str) -> list[Path]:
 
 
 def _fail_unknown(addr: str, s: ExplainSettings, exc: grpc.RpcError) -> int:
-    code = _fail(addr, exc)
+    code = say_failure(addr, exc)
     if exc.code() is grpc.StatusCode.NOT_FOUND:
-        _say_unknown(addr, security_of(s), s.job)
+        say_unknown(addr, security_of(s), s.job)
     return code
 
 
 def cmd_explain(s: ExplainSettings) -> int:
     if s.audits:
         return _explain_audits(s)
-    addr = _addr(s)
+    addr = address_of(s)
     record: pb.VerdictRecord | int
     if s.history:
         record = _explain_file(s.history, s)
@@ -165,8 +171,8 @@ def cmd_explain(s: ExplainSettings) -> int:
     stalls = [r for r in _quiet_records(s) if r.cohort_id == record.cohort_id]
     stalls = [r for r in stalls if r.kind in STALL_KINDS]
     if s.json_out:
-        out = _dict(record)
-        out["stalls"] = [{**_dict(r), "step": r.step} for r in stalls]
+        out = as_dict(record)
+        out["stalls"] = [{**as_dict(r), "step": r.step} for r in stalls]
         print(json.dumps(out, indent=1))
         return 0
     decided = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.decided_at_unix))
@@ -211,7 +217,7 @@ def _quiet_records(s: ExplainSettings) -> list[pb.AuditRecord]:
         if s.etcd:
             return _from_etcd(s, _audit_records(s.job))
         security = security_of(s)
-        with security.channel(_addr(s)) as channel:
+        with security.channel(address_of(s)) as channel:
             reply = pb_grpc.StatusServiceStub(channel).ListAudits(
                 pb.ListAuditsRequest(job_id=s.job), timeout=10, metadata=security.metadata
             )
@@ -240,7 +246,7 @@ def _explain_audits(s: ExplainSettings) -> int:
         return 1
     if s.json_out:
         # steps as numbers (protobuf's JSON writes 64-bit integers as strings)
-        rows = [{**_dict(r), "step": r.step, "stop_step": r.stop_step} for r in records]
+        rows = [{**as_dict(r), "step": r.step, "stop_step": r.stop_step} for r in records]
         print(json.dumps(rows, indent=1))
         return 0
     if not records:
@@ -264,7 +270,7 @@ def _explain_audits(s: ExplainSettings) -> int:
 def _audits_asked(s: ExplainSettings) -> list[pb.AuditRecord] | None:
     """The coordinator's answer to ListAudits; with none answering, this machine's history
     files (the shared one, and the one `cohortgate run` kept for the job)."""
-    addr = _addr(s)
+    addr = address_of(s)
     security = security_of(s)
     with security.channel(addr) as channel:
         try:
@@ -276,7 +282,7 @@ def _audits_asked(s: ExplainSettings) -> list[pb.AuditRecord] | None:
             error = exc
     files = _local_histories(s.job)
     if error.code() is not grpc.StatusCode.UNAVAILABLE or not files:
-        _fail(addr, error)
+        say_failure(addr, error)
         return None
     found: list[pb.AuditRecord] = []
     for path in files:

@@ -51,7 +51,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         p.set_defaults(func=run, model=model)
 
 
-def _addr(s: ClientSettings) -> str:
+def address_of(s: ClientSettings) -> str:
     """The coordinator to ask; of active/standby replicas (a:7070,b:7070), the one that
     leads (its CohortService is SERVING), else the first that answers."""
     replicas = addresses(s.addr, "--addr")  # checked as the settings were read
@@ -77,7 +77,7 @@ def _addr(s: ClientSettings) -> str:
     return (answered or replicas)[0]
 
 
-def _fail(addr: str, exc: grpc.RpcError) -> int:
+def say_failure(addr: str, exc: grpc.RpcError) -> int:
     code = exc.code()
     if code == grpc.StatusCode.UNAVAILABLE:
         print(
@@ -122,14 +122,14 @@ def security_of(s: ClientSettings) -> ClientSecurity:
     return ClientSecurity.from_env(token=s.token or None)
 
 
-def _say_unknown(addr: str, security: ClientSecurity, job: str) -> None:
+def say_unknown(addr: str, security: ClientSecurity, job: str) -> None:
     with security.channel(addr) as channel:
         hint = _unknown_job(pb_grpc.StatusServiceStub(channel), job, security.metadata)
     if hint:
         print(hint, file=sys.stderr)
 
 
-def _dict(msg: Any) -> dict[str, Any]:
+def as_dict(msg: Any) -> dict[str, Any]:
     return MessageToDict(
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -145,7 +145,7 @@ def _row(s: pb.CohortSummary) -> str:
 
 
 def cmd_status(s: StatusSettings) -> int:
-    addr = _addr(s)
+    addr = address_of(s)
     security = security_of(s)
     with security.channel(addr) as channel:
         try:
@@ -153,14 +153,14 @@ def cmd_status(s: StatusSettings) -> int:
                 pb.ListCohortsRequest(job_id=s.job), timeout=10, metadata=security.metadata
             )
         except grpc.RpcError as exc:
-            return _fail(addr, exc)
+            return say_failure(addr, exc)
     if s.json_out:
-        print(json.dumps([_dict(c) for c in reply.cohorts], indent=1))
+        print(json.dumps([as_dict(c) for c in reply.cohorts], indent=1))
         return 0
     if not reply.cohorts:
         print("no cohorts" + (f" for job {s.job}" if s.job else ""))
         if s.job:
-            _say_unknown(addr, security, s.job)
+            say_unknown(addr, security, s.job)
         return 0
     print(f"{'JOB':<24} {'ROUND':>5} {'STATE':<8} {'JOINED':>13} {'AGE':>8} REASON")
     for c in reply.cohorts:
@@ -175,7 +175,7 @@ def _bar(joined: int, expected: int, width: int = 30) -> str:
 
 def cmd_watch(cfg: WatchSettings) -> int:
     """Follow the watch stream; with a job, stop once its latest cohort is decided."""
-    addr = _addr(cfg)
+    addr = address_of(cfg)
     tty = sys.stdout.isatty() and not cfg.json_out
     security = security_of(cfg)
     with security.channel(addr) as channel:
@@ -188,13 +188,13 @@ def cmd_watch(cfg: WatchSettings) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-                _say_unknown(addr, security, cfg.job)
+                say_unknown(addr, security, cfg.job)
             for s in stub.WatchCohorts(
                 pb.WatchCohortsRequest(job_id=cfg.job), metadata=security.metadata
             ):
                 state = STATE_NAMES.get(s.state, "?")
                 if cfg.json_out:
-                    print(json.dumps(_dict(s)), flush=True)
+                    print(json.dumps(as_dict(s)), flush=True)
                 else:
                     line = (
                         f"{s.job_id} round {s.round} {_bar(s.joined, s.expected)} "
@@ -219,7 +219,7 @@ def cmd_watch(cfg: WatchSettings) -> int:
                         _print_report(stub, cfg.job, s.round, security.metadata)
                     return 0 if state == "formed" else 3
         except grpc.RpcError as exc:
-            return _fail(addr, exc)
+            return say_failure(addr, exc)
         except KeyboardInterrupt:
             return 130
     return 0
