@@ -1,12 +1,14 @@
-"""The service core's own cost per cohort, without gRPC: N ranks join one in-process
-`Coordinator` through `join()` (rank 0 uploads the manifest it is asked for) until FORMED.
+"""The coordinator's own cost per cohort, without the transport: N ranks' requests (as bytes)
+are decoded and validated as the servicer does, then join one in-process `Coordinator`
+(rank 0 uploads the manifest it is asked for) until FORMED.
 Prints the CPU seconds per cohort (min, median, max of --repeats) and writes JSON.
 
-What it leaves out, on purpose: the network, protobuf and the servicer (bench_scale.py
-measures those end to end). What it is for: comparing two versions of the service core on
-the same work, e.g. `PYTHONPATH=<other tree> python bench/bench_core.py`; and, with several
---group sizes (`--group 8,64`), what one call costs per group size: the service's work per
-JoinGroup of 64 ranks against one of 8 (issue 40's "work per call, not per rank").
+What it leaves out, on purpose: the network, gRPC and the servicer's plumbing (auth, the
+stream's replies; bench_scale.py measures those end to end). What it is for: comparing two
+versions of the coordinator on the same work, e.g. `PYTHONPATH=<other tree> python
+bench/bench_core.py`; and, with several --group sizes (`--group 8,64`), what one call costs
+per group size: the coordinator's work per JoinGroup of 64 ranks against one of 8 (issue
+40's "work per call, not per rank").
 """
 
 from __future__ import annotations
@@ -21,23 +23,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cohortgate.coordinator.cli import logs
+from cohortgate.coordinator.codec.groups import as_classes
+from cohortgate.coordinator.codec.wire import DEFAULT_LIMITS
+from cohortgate.coordinator.edge.rpc import group_join_intents, join_intents
 from cohortgate.coordinator.service.core import Coordinator
-from cohortgate.coordinator.state.base import JoinIntent
-from tests.helpers import manifest_of, member_of, save_figures
+from tests.helpers import join_request, manifest_of, save_figures
 
 M = manifest_of()
 
 
+def calls_of(n: int, group: int) -> list[tuple[str, bytes]]:
+    """The requests of one cohort as they arrive: a Join each (group 1), else a JoinGroup of
+    `group` ranks as a relay sends it (classes of ranks, hosts of 8 ranks); rank 0 alone
+    is loud, as agents join."""
+    joins = [
+        join_request("core", r, n, M, host=f"node{r // 8}", local_rank=r % 8, quiet=r != 0)
+        for r in range(n)
+    ]
+    if group == 1:
+        return [("Join", j.SerializeToString()) for j in joins]
+    return [
+        ("JoinGroup", as_classes(joins[first : first + group]).SerializeToString())
+        for first in range(0, n, group)
+    ]
+
+
 async def one_cohort(n: int, group: int) -> float:
-    """CPU seconds from the first join to the last rank's verdict; the ranks join in calls
-    of `group` (a relay's JoinGroup; 1: one Join per rank)."""
+    """CPU seconds from the first call's bytes to the last rank's verdict: the edge's
+    decoding and validation, then the service core."""
     coordinator = Coordinator()
+    calls = calls_of(n, group)
 
-    def intent(r: int) -> JoinIntent:
-        return JoinIntent("core", 0, member_of(r, M), n, quiet=r != 0)
-
-    async def call(first: int) -> str:
-        intents = [intent(r) for r in range(first, min(first + group, n))]
+    async def call(method: str, data: bytes) -> str:
+        decode = join_intents if method == "Join" else group_join_intents
+        _, intents = decode(data, DEFAULT_LIMITS)
         async for event in coordinator.join_group(intents):
             kind = type(event).__name__
             if kind == "UploadAsk":
@@ -47,7 +66,7 @@ async def one_cohort(n: int, group: int) -> float:
         return "no verdict"
 
     started = time.process_time()
-    outcomes = await asyncio.gather(*(call(r) for r in range(0, n, group)))
+    outcomes = await asyncio.gather(*(call(*c) for c in calls))
     took = time.process_time() - started
     assert set(outcomes) == {"formed"}, set(outcomes)
     coordinator.close()

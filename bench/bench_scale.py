@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from cohortgate.coordinator.cli.spawn import spawn
+from cohortgate.coordinator.codec.groups import as_classes
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests.helpers, here and in the client processes (spawned)
@@ -103,7 +104,6 @@ class _Clients:
         await asyncio.gather(*self.uploads)
 
     def _events(self, stub: Any, reqs: dict[int, Any], relay: bool) -> AsyncIterator[Any]:
-        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
         if len(reqs) == 1 and not relay:
             (request,) = reqs.values()
@@ -111,17 +111,16 @@ class _Clients:
             return stub.Join(request, timeout=600)  # type: ignore[no-any-return]
         if self.rpc == "poll":
             return self._polled(stub, reqs)
-        group = pb.JoinGroupRequest(members=list(reqs.values()))
+        group = as_classes(reqs.values())  # as `cohortgate relay` sends a group
         self.stats["bytes"] += group.ByteSize()
         return stub.JoinGroup(group, timeout=600)  # type: ignore[no-any-return]
 
     async def _polled(self, stub: Any, reqs: dict[int, Any]) -> AsyncIterator[Any]:
         """As `cohortgate relay` joins upstream: JoinPoll until the verdict, the round
         pinned from progress, an ask's upload beside the next poll."""
-        from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 
         while True:
-            group = pb.JoinGroupRequest(members=list(reqs.values()))
+            group = as_classes(reqs.values())
             self.stats["bytes"] += group.ByteSize()
             event = await stub.JoinPoll(group, timeout=600)
             yield event

@@ -57,14 +57,19 @@ class Floor(pb_grpc.CohortServiceServicer):
     async def JoinGroup(  # type: ignore[override]
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JoinEvent]:
-        first = request.members[0]
-        yield await self._verdict(first.job_id, first.world_size, len(request.members))
+        yield await self._verdict(*_group(request))
 
     async def JoinPoll(  # type: ignore[override]
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext
     ) -> pb.JoinEvent:
-        first = request.members[0]
-        return await self._verdict(first.job_id, first.world_size, len(request.members))
+        return await self._verdict(*_group(request))
+
+
+def _group(request: pb.JoinGroupRequest) -> tuple[str, int, int]:
+    """A group's job, world size and ranks, sent as members or as classes."""
+    first = request.members[0] if request.members else request.ranks[0].join
+    ranks = len(request.members) + sum(len(c.rank) for c in request.ranks)
+    return first.job_id, first.world_size, ranks
 
 
 async def serve(port_file: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec import wire
+from cohortgate.coordinator.codec.groups import as_classes
 from cohortgate.coordinator.contract.manifest import Manifest
 from tests.helpers import (
     InProcessCoordinator,
@@ -91,15 +92,21 @@ def test_quiet_ranks_get_the_first_progress_event_only(coord: InProcessCoordinat
 
 
 def join_group(
-    addr: str, requests: list[pb.JoinRequest], uploads: dict[int, Manifest] | None = None
+    addr: str,
+    requests: list[pb.JoinRequest],
+    uploads: dict[int, Manifest] | None = None,
+    sent: str = "members",
 ) -> tuple[list[pb.JoinEvent], grpc.RpcError | None]:
-    """One JoinGroup call, answering manifest requests with the named member's manifest."""
+    """One JoinGroup call, answering manifest requests with the named member's manifest;
+    `sent`: the ranks one request each ("members", as older relays send them) or as
+    classes ("classes", as relays send them now)."""
+    group = as_classes(requests) if sent == "classes" else pb.JoinGroupRequest(members=requests)
     events: list[pb.JoinEvent] = []
     by_rank = {r.rank: r for r in requests}
     with grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.CohortServiceStub(channel)
         try:
-            for event in stub.JoinGroup(pb.JoinGroupRequest(members=requests), timeout=30):
+            for event in stub.JoinGroup(group, timeout=30):
                 events.append(event)
                 if event.WhichOneof("event") == "manifest_request":
                     asked = by_rank[event.manifest_request.rank]
@@ -114,13 +121,16 @@ def join_group(
     return events, None
 
 
-def test_a_verdict_lists_64_hosts_a_class_and_counts_the_rest(coord: InProcessCoordinator) -> None:
+@pytest.mark.parametrize("sent", ["members", "classes"])
+def test_a_verdict_lists_64_hosts_a_class_and_counts_the_rest(
+    coord: InProcessCoordinator, sent: str
+) -> None:
     """Every rank receives the verdict: a class spanning 2,048 hosts must not put 22 KB of
     host names in each of its 16k messages."""
     m, wide = manifest_of(), manifest_of(width=8)
     manifests = {r: (wide if r >= 70 else m) for r in range(140)}
     requests = [join_request("hosts", r, 140, manifests[r], host=f"n{r:03d}") for r in range(140)]
-    events, error = join_group(coord.addr, requests, manifests)
+    events, error = join_group(coord.addr, requests, manifests, sent)
     assert error is None, error
     verdict = events[-1].verdict
     assert verdict.outcome == REFUSED
@@ -129,7 +139,8 @@ def test_a_verdict_lists_64_hosts_a_class_and_counts_the_rest(coord: InProcessCo
         assert list(cls.hosts) == sorted(cls.hosts)
 
 
-def test_groups_form_with_one_verdict_per_group(coord: InProcessCoordinator) -> None:
+@pytest.mark.parametrize("sent", ["members", "classes"])
+def test_groups_form_with_one_verdict_per_group(coord: InProcessCoordinator, sent: str) -> None:
     m, wide = manifest_of(), manifest_of(width=8)
     manifests = {r: (wide if r == 6 else m) for r in range(16)}
     groups = [
@@ -137,7 +148,7 @@ def test_groups_form_with_one_verdict_per_group(coord: InProcessCoordinator) -> 
         for g in range(4)
     ]
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda reqs: join_group(coord.addr, reqs, manifests), groups))
+        results = list(pool.map(lambda reqs: join_group(coord.addr, reqs, manifests, sent), groups))
     verdicts = []
     for events, error in results:
         assert error is None, error

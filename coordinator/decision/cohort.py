@@ -66,6 +66,15 @@ class Member:
     joined_at: float = 0.0
     last_seen: float = 0.0
 
+    def twin(self, rank: int, local_rank: int, host: str, pid: int, incarnation: str) -> Member:
+        """The same join sent by another rank of its class (a relay's `RankClass`): what
+        they share is shared (never changed once joined), not copied field by field."""
+        twin: Member = object.__new__(Member)
+        twin.__dict__.update(self.__dict__)
+        twin.rank, twin.local_rank, twin.host, twin.pid = rank, local_rank, host, pid
+        twin.incarnation = incarnation
+        return twin
+
 
 @dataclass
 class Departure:

@@ -26,6 +26,7 @@ import structlog
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec.channel import ClientSecurity
+from cohortgate.coordinator.codec.groups import as_classes, members_of
 from cohortgate.coordinator.codec.leader import Upstream
 from cohortgate.coordinator.contract.limits import Limits
 from cohortgate.coordinator.edge.plumbing import (
@@ -82,6 +83,8 @@ class Relay(pb_grpc.CohortServiceServicer):
         self._connect()
         # JoinPoll upstream (--upstream-rpc poll), until the upstream answers UNIMPLEMENTED
         self.polling = poll
+        # Upstreams that read no rank classes (older versions): groups go one request per rank
+        self._older: set[str] = set()
         self.window_s = window_s
         self.local_ranks = local_ranks
         self._pending: dict[GroupKey, Group] = {}
@@ -234,7 +237,13 @@ class Relay(pb_grpc.CohortServiceServicer):
     ) -> AsyncIterator[pb.JoinEvent]:
         """A lower relay's group (relays of relays): its ranks join this relay's group for
         their job, and the lower relay gets the events once for all of them."""
-        members = list(request.members)
+        try:
+            members = members_of(request)
+        except ValueError:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a class of the group holds columns of different lengths: one value per rank",
+            )
         jobs = {(m.job_id, m.world_size, m.round) for m in members}
         if len(jobs) != 1 or len({m.rank for m in members}) != len(members):
             await context.abort(
@@ -292,7 +301,10 @@ class Relay(pb_grpc.CohortServiceServicer):
         polls."""
 
         def request() -> pb.JoinGroupRequest:  # as they are now: the round pinned
-            return pb.JoinGroupRequest(members=[r.request for r in members.values()])
+            joins = [r.request for r in members.values()]
+            if self.upstream in self._older:
+                return pb.JoinGroupRequest(members=joins)
+            return as_classes(joins)
 
         while self.polling:
             call = group.call = self.stub.JoinPoll(request(), metadata=group.metadata)
@@ -338,13 +350,41 @@ class Relay(pb_grpc.CohortServiceServicer):
                     raise
                 # (CANCELLED: by the upstream, as a coordinator stops; our own cancel, a
                 # rank that left, ends the iteration with CancelledError above)
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    await self._unavailable(group, members, exc)
+                if await self._again(group, members, exc):
                     continue
                 status = Status(exc.code(), exc.details() or "")
             for events in {id(r.events): r.events for r in members.values()}.values():
                 events.put_nowait(status)
             return
+
+    async def _again(
+        self, group: Group, members: dict[int, Rank], exc: grpc.aio.AioRpcError
+    ) -> bool:
+        """Whether the group re-joins after this error (once the upstream answers again,
+        or at once, one request per rank, where it reads no rank classes)."""
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            await self._unavailable(group, members, exc)
+            return True
+        return self._reads_no_classes(exc)
+
+    def _reads_no_classes(self, exc: grpc.aio.AioRpcError) -> bool:
+        """An upstream older than rank classes reads a group sent as classes as empty (a
+        coordinator: "the group has no members"; a relay: "got 0 members"): from then on
+        this relay sends it one request per rank. True once per upstream."""
+        details = exc.details() or ""
+        if (
+            self.upstream in self._older
+            or exc.code() != grpc.StatusCode.INVALID_ARGUMENT
+            or ("the group has no members" not in details and "got 0 members" not in details)
+        ):
+            return False
+        self._older.add(self.upstream)
+        log.warning(
+            "the upstream reads no rank classes (an older version): sending it one request "
+            "per rank",
+            upstream=self.upstream,
+        )
+        return True
 
     async def _unavailable(
         self, group: Group, members: dict[int, Rank], exc: grpc.aio.AioRpcError

@@ -87,6 +87,26 @@ def join_intent(
     """One join request validated into an intent; `seen`: what earlier members of the same
     call shared (validated once per call, not per rank)."""
     seen = seen or Seen()
+    return _as_rank(
+        _shared(req, limits, seen),
+        req.rank,
+        req.local_rank,
+        seen.text(req.host, "host", required=True),
+        req.pid,
+        _incarnation(req.incarnation),
+    )
+
+
+MAX_INCARNATION = 128
+
+
+def _incarnation(value: str) -> str:
+    return text(value, "incarnation", MAX_INCARNATION, required=True)
+
+
+def _shared(req: pb.JoinRequest, limits: Limits, seen: Seen) -> JoinIntent:
+    """A join request validated but for who sent it (rank, local rank, host, pid,
+    incarnation, left unset): what the ranks of one class share."""
     if req.protocol_version != PROTOCOL_VERSION:
         raise FailedPrecondition(
             f"agent speaks protocol {req.protocol_version}, coordinator {PROTOCOL_VERSION}: "
@@ -113,25 +133,16 @@ def join_intent(
             f"manifest_entries {req.manifest_entries} is above the limit "
             f"max_manifest_entries={limits.max_manifest_entries}"
         )
-    init_method = seen.text(req.init_method, "init_method")
-    if req.rank == 0 and not init_method:
-        raise InvalidArgument(
-            "rank 0 offered no init_method: rank 0 must offer the rendezvous endpoint "
-            "(tcp://HOST:PORT) that the cohort will use"
-        )
-    runtime = seen.runtime(req)
-    layout = layout_from_pb(req.layout, limits) if req.HasField("layout") else None
     member = Member(
-        rank=req.rank,
-        host=seen.text(req.host, "host", required=True),
-        pid=req.pid,
-        incarnation=text(req.incarnation, "incarnation", 128, required=True),
+        rank=0,
+        host="",
+        pid=0,
+        incarnation="",
         signature=signature,
         manifest_entries=req.manifest_entries,
-        local_rank=req.local_rank,
-        init_method=init_method,
-        runtime=runtime,
-        layout=layout,
+        init_method=seen.text(req.init_method, "init_method"),
+        runtime=seen.runtime(req),
+        layout=layout_from_pb(req.layout, limits) if req.HasField("layout") else None,
         weights_digest=weights_digest,
         launch=seen.text(req.launch, "launch"),
         restart_count=req.restart_count,
@@ -148,43 +159,126 @@ def join_intent(
     )
 
 
+def _as_rank(
+    shared: JoinIntent, rank: int, local_rank: int, host: str, pid: int, incarnation: str
+) -> JoinIntent:
+    """The shared part of a join as rank `rank` sent it."""
+    if rank == 0 and not shared.member.init_method:
+        raise InvalidArgument(
+            "rank 0 offered no init_method: rank 0 must offer the rendezvous endpoint "
+            "(tcp://HOST:PORT) that the cohort will use"
+        )
+    return JoinIntent(
+        shared.job_id,
+        shared.round,
+        shared.member.twin(rank, local_rank, host, pid, incarnation),
+        shared.world_size,
+        shared.quiet,
+    )
+
+
+def class_intents(cls: pb.RankClass, limits: Limits, seen: Seen) -> list[JoinIntent]:
+    """A class of ranks (one request and a column per rank of who sent it) validated into
+    one intent per rank; the shared part validated once."""
+    ranks = list(cls.rank)
+    if not ranks:
+        raise InvalidArgument("the class has no ranks; each class names at least one")
+    n = len(ranks)
+    for name, column in (
+        ("local_rank", cls.local_rank),
+        ("pid", cls.pid),
+        ("incarnation", cls.incarnation),
+    ):
+        if len(column) != n:
+            raise InvalidArgument(
+                f"the class has {n} ranks and {len(column)} {name} values: each column "
+                "holds one value per rank"
+            )
+    if cls.host and len(cls.host) != n:
+        raise InvalidArgument(
+            f"the class has {n} ranks and {len(cls.host)} host values: one per rank, or "
+            "none for ranks of one host (join.host)"
+        )
+    join = cls.join
+    own = [f for f in ("rank", "local_rank", "pid", "incarnation") if getattr(join, f)]
+    if cls.host and join.host:
+        own.append("host")
+    if own:
+        raise InvalidArgument(
+            f"the class's join sets {', '.join(own)}: it holds what the ranks share, and "
+            "each rank's own values go in the class's columns"
+        )
+    shared = _shared(join, limits, seen)
+    hosts = (
+        [seen.text(h, "host", required=True) for h in cls.host]
+        if cls.host
+        else [seen.text(join.host, "host", required=True)] * n
+    )
+    return [
+        _as_rank(shared, rank, local, host, pid, _incarnation(inc))
+        for rank, local, host, pid, inc in zip(
+            ranks, cls.local_rank, hosts, cls.pid, cls.incarnation, strict=True
+        )
+    ]
+
+
 # Members of one JoinGroup call: a node's local ranks (8 on a GPU node); room for big hosts.
 MAX_GROUP = 1024
 
 
+def _parts(req: pb.JoinGroupRequest, limits: Limits) -> list[tuple[str, list[JoinIntent]]]:
+    """Each member's intent, then each class's intents, with where in the request each
+    came from; an error names where."""
+    seen = Seen()
+    parts: list[tuple[str, list[JoinIntent]]] = []
+    for i, member in enumerate(req.members):
+        where = f"members[{i}] (rank {member.rank})"
+        try:
+            parts.append((where, [join_intent(member, limits, seen)]))
+        except CoordinatorError as exc:
+            exc.args = (f"{where}: {exc}",)
+            raise
+    for i, cls in enumerate(req.ranks):
+        where = f"ranks[{i}] ({len(cls.rank)} ranks)"
+        try:
+            parts.append((where, class_intents(cls, limits, seen)))
+        except CoordinatorError as exc:
+            exc.args = (f"{where}: {exc}",)
+            raise
+    return parts
+
+
 def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> list[JoinIntent]:
     """A relay's group: every member valid, one job and world size, no rank twice."""
-    if not req.members:
+    count = len(req.members) + sum(len(cls.rank) for cls in req.ranks)
+    if not count:
         raise InvalidArgument("the group has no members; a JoinGroup call needs at least one")
-    if len(req.members) > MAX_GROUP:
-        raise LimitExceeded(
-            f"the group has {len(req.members)} members; the limit is {MAX_GROUP} per call"
-        )
+    if count > MAX_GROUP:
+        raise LimitExceeded(f"the group has {count} members; the limit is {MAX_GROUP} per call")
+    parts = _parts(req, limits)
     intents: list[JoinIntent] = []
+    first_where, (first, *_) = parts[0]
     ranks: set[int] = set()
-    seen = Seen()
-    for i, member in enumerate(req.members):
-        try:
-            intent = join_intent(member, limits, seen)
-        except CoordinatorError as exc:
-            exc.args = (f"members[{i}] (rank {member.rank}): {exc}",)
-            raise
-        first = intents[0] if intents else intent
+    for where, part in parts:
+        intent = part[0]
         if (intent.job_id, intent.world_size, intent.round) != (
             first.job_id,
             first.world_size,
             first.round,
         ):
             raise InvalidArgument(
-                f"members[{i}] (rank {member.rank}) is of job '{intent.job_id}' world size "
-                f"{intent.world_size} round {intent.round}, members[0] of job "
-                f"'{first.job_id}' world size {first.world_size} round {first.round}: one "
-                "group holds ranks of one job and round"
+                f"{where} is of job '{intent.job_id}' world size {intent.world_size} round "
+                f"{intent.round}, {first_where.split(' (')[0]} of job '{first.job_id}' world "
+                f"size {first.world_size} round {first.round}: one group holds ranks of one "
+                "job and round"
             )
-        if intent.member.rank in ranks:
-            raise InvalidArgument(f"members[{i}]: rank {member.rank} appears twice in the group")
-        ranks.add(intent.member.rank)
-        intents.append(intent)
+        for intent in part:
+            if intent.member.rank in ranks:
+                raise InvalidArgument(
+                    f"{where.split(' (')[0]}: rank {intent.member.rank} appears twice in the group"
+                )
+            ranks.add(intent.member.rank)
+        intents += part
     return intents
 
 
@@ -208,7 +302,8 @@ def group_join_intents(
 ) -> tuple[str, list[JoinIntent]]:
     """A JoinGroup request's bytes: its job id, and every member's validated intent."""
     req: pb.JoinGroupRequest = _parsed(pb.JoinGroupRequest, data)
-    return (req.members[0].job_id if req.members else ""), group_intents(req, limits)
+    intents = group_intents(req, limits)
+    return intents[0].job_id, intents
 
 
 def _front(data: bytes, fields: int) -> bytes:

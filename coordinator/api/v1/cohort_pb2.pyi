@@ -594,25 +594,87 @@ Global___Fingerprint: _TypeAlias = Fingerprint  # noqa: Y015
 
 @_typing.final
 class JoinGroupRequest(_message.Message):
+    """A relay's ranks of one job, world size and round (distinct ranks), joining as one call."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MEMBERS_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoinRequest]:
-        """same job_id and world_size, distinct ranks"""
+        """One request per rank: what older relays send, and what a relay sends for a rank
+        that shares its request with no other.
+        """
+
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankClass]:
+        """Ranks whose requests differ only in who they are, one entry per such class: a node's
+        ranks normally share one signature, config, code and runtime, so a relay sends them as
+        one request and a column per rank, and the coordinator validates the shared part once.
+        An older coordinator does not read this field (it answers INVALID_ARGUMENT: the group
+        has no members); a relay then sends it `members`.
+        """
 
     def __init__(
         self,
         *,
         members: _abc.Iterable[Global___JoinRequest] | None = ...,
+        ranks: _abc.Iterable[Global___RankClass] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "ranks", b"ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinGroupRequest: _TypeAlias = JoinGroupRequest  # noqa: Y015
+
+@_typing.final
+class RankClass(_message.Message):
+    """Ranks that joined with one request but for their own rank, local rank, host, pid and
+    incarnation. `join` holds what they share, those five fields unset; the columns hold each
+    rank's own, one entry per rank in the same order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOIN_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def join(self) -> Global___JoinRequest: ...
+    @_builtins.property
+    def rank(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def local_rank(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def pid(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def incarnation(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def host(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """empty: every rank on one host, `join.host`"""
+
+    def __init__(
+        self,
+        *,
+        join: Global___JoinRequest | None = ...,
+        rank: _abc.Iterable[_builtins.int] | None = ...,
+        local_rank: _abc.Iterable[_builtins.int] | None = ...,
+        pid: _abc.Iterable[_builtins.int] | None = ...,
+        incarnation: _abc.Iterable[_builtins.str] | None = ...,
+        host: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["join", b"join"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "incarnation", b"incarnation", "join", b"join", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankClass: _TypeAlias = RankClass  # noqa: Y015
 
 @_typing.final
 class Layout(_message.Message):
