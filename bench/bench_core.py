@@ -22,37 +22,42 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.cli import logs
 from cohortgate.coordinator.codec.groups import as_classes
 from cohortgate.coordinator.codec.wire import DEFAULT_LIMITS
-from cohortgate.coordinator.edge.rpc import group_join_intents, join_intents
+from cohortgate.coordinator.edge.joins import group_join_intents, join_intents
 from cohortgate.coordinator.service.core import Coordinator
 from tests.helpers import join_request, manifest_of, save_figures
 
 M = manifest_of()
 
 
-def calls_of(n: int, group: int) -> list[tuple[str, bytes]]:
+def calls_of(n: int, group: int, sent: str = "classes") -> list[tuple[str, bytes]]:
     """The requests of one cohort as they arrive: a Join each (group 1), else a JoinGroup of
-    `group` ranks as a relay sends it (classes of ranks, hosts of 8 ranks); rank 0 alone
-    is loud, as agents join."""
+    `group` ranks as a relay sends it (`sent`: classes of ranks, or one request per rank as
+    older relays do; hosts of 8 ranks); rank 0 alone is loud, as agents join."""
     joins = [
         join_request("core", r, n, M, host=f"node{r // 8}", local_rank=r % 8, quiet=r != 0)
         for r in range(n)
     ]
     if group == 1:
         return [("Join", j.SerializeToString()) for j in joins]
+
+    def group_of(members: list[pb.JoinRequest]) -> pb.JoinGroupRequest:
+        return as_classes(members) if sent == "classes" else pb.JoinGroupRequest(members=members)
+
     return [
-        ("JoinGroup", as_classes(joins[first : first + group]).SerializeToString())
+        ("JoinGroup", group_of(joins[first : first + group]).SerializeToString())
         for first in range(0, n, group)
     ]
 
 
-async def one_cohort(n: int, group: int) -> float:
+async def one_cohort(n: int, group: int, sent: str = "classes") -> float:
     """CPU seconds from the first call's bytes to the last rank's verdict: the edge's
     decoding and validation, then the service core."""
     coordinator = Coordinator()
-    calls = calls_of(n, group)
+    calls = calls_of(n, group, sent)
 
     async def call(method: str, data: bytes) -> str:
         decode = join_intents if method == "Join" else group_join_intents
@@ -82,26 +87,37 @@ def main() -> int:
         help="ranks per call (a relay's group; 1: one Join per rank); "
         "several, comma-separated, to compare the cost of one call across sizes",
     )
+    parser.add_argument(
+        "--sent",
+        choices=["classes", "members"],
+        default="classes",
+        help="how a group's ranks are sent: as classes (relays now) or one request per "
+        "rank (older relays)",
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path, default=Path("bench/results/core.json"))
     args = parser.parse_args()
     logs.configure("json", "warning")
     rows, said = [], []
     for group in (int(g) for g in args.group.split(",")):
-        runs = sorted(asyncio.run(one_cohort(args.ranks, group)) for _ in range(args.repeats))
+        runs = sorted(
+            asyncio.run(one_cohort(args.ranks, group, args.sent)) for _ in range(args.repeats)
+        )
         median = statistics.median(runs)
         calls = -(-args.ranks // group)
         rows.append(
             {
                 "ranks": args.ranks,
                 "group": group,
+                "sent": args.sent,
                 "cpu_s": runs,
                 "median_cpu_s": median,
                 "median_cpu_per_call_us": median / calls * 1e6,
             }
         )
         said.append(
-            f"{args.ranks} ranks in calls of {group}, one cohort, in-process: CPU "
+            f"{args.ranks} ranks in calls of {group} (sent as {args.sent}), one cohort, "
+            "in-process: CPU "
             f"{runs[0]:.3f} / {median:.3f} / {runs[-1]:.3f} s (min / median / max of "
             f"{args.repeats}); {median / calls * 1e6:.0f} us per call"
         )

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.codec.groups import as_classes, members_of
 from cohortgate.coordinator.contract.errors import InvalidArgument, LimitExceeded
-from cohortgate.coordinator.edge import rpc
+from cohortgate.coordinator.edge import joins
 from cohortgate.coordinator.state.base import JoinIntent
 from tests.helpers import join_request, manifest_of
 
@@ -53,10 +53,10 @@ def test_classes_and_members_say_the_same_whatever_the_split(
     ranks: set[int], odd: dict[int, str], alone: set[int]
 ) -> None:
     requests = group(16, sorted(ranks), odd)
-    one_each = rpc.group_intents(pb.JoinGroupRequest(members=requests))
+    one_each = joins.group_intents(pb.JoinGroupRequest(members=requests))
     split = as_classes(r for r in requests if r.rank not in alone)
     split.members.extend(r for r in requests if r.rank in alone)
-    assert described(rpc.group_intents(split)) == described(one_each)
+    assert described(joins.group_intents(split)) == described(one_each)
     assert sorted(r.SerializeToString() for r in members_of(split)) == sorted(
         r.SerializeToString() for r in requests
     )
@@ -77,13 +77,13 @@ def test_a_class_of_many_hosts_keeps_one_host_per_rank() -> None:
     requests = group(8, list(range(1, 8)), {})  # hosts of 4: host0 and host1
     (cls,) = as_classes(requests).ranks
     assert list(cls.host) == [r.host for r in requests] and not cls.join.host
-    intents = rpc.group_intents(pb.JoinGroupRequest(ranks=[cls]))
+    intents = joins.group_intents(pb.JoinGroupRequest(ranks=[cls]))
     assert [i.member.host for i in intents] == ["host0"] * 3 + ["host1"] * 4
 
 
 def refused(cls: pb.RankClass, *members: pb.JoinRequest) -> str:
     with pytest.raises(InvalidArgument) as raised:
-        rpc.group_intents(pb.JoinGroupRequest(members=members, ranks=[cls]))
+        joins.group_intents(pb.JoinGroupRequest(members=members, ranks=[cls]))
     return str(raised.value)
 
 
@@ -134,14 +134,14 @@ def test_a_class_that_does_not_hold_together_is_refused_naming_what_is_wrong() -
 
 
 def test_classes_count_toward_the_groups_limit() -> None:
-    (cls,) = as_classes(group(rpc.MAX_GROUP + 2, list(range(1, rpc.MAX_GROUP + 1)), {})).ranks
-    assert len(rpc.group_intents(pb.JoinGroupRequest(ranks=[cls]))) == rpc.MAX_GROUP
+    (cls,) = as_classes(group(joins.MAX_GROUP + 2, list(range(1, joins.MAX_GROUP + 1)), {})).ranks
+    assert len(joins.group_intents(pb.JoinGroupRequest(ranks=[cls]))) == joins.MAX_GROUP
     with pytest.raises(LimitExceeded) as over:
-        rpc.group_intents(
-            pb.JoinGroupRequest(ranks=[cls], members=[join_request("c", 0, rpc.MAX_GROUP + 2, M)])
+        joins.group_intents(
+            pb.JoinGroupRequest(ranks=[cls], members=[join_request("c", 0, joins.MAX_GROUP + 2, M)])
         )
     assert str(over.value) == (
-        f"the group has {rpc.MAX_GROUP + 1} members; the limit is {rpc.MAX_GROUP} per call"
+        f"the group has {joins.MAX_GROUP + 1} members; the limit is {joins.MAX_GROUP} per call"
     )
 
 

@@ -5,7 +5,6 @@ errors reach every rank, racks of relays join as one call (joins and audits), an
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 import uuid
@@ -20,7 +19,6 @@ from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.cli.spawn import spawn
 from cohortgate.coordinator.contract.manifest import Manifest
-from tests.grpc_proxy import GrpcProxy
 from tests.helpers import (
     REPO,
     RankResult,
@@ -403,50 +401,3 @@ def test_cohortgate_run_joins_through_a_relay(tmp_path: Path) -> None:
     assert "[cohortgate] relay 127.0.0.1:" in out
     assert out.count("all_reduce sum 10, trained 2 steps") == 4, out
     assert len(groups) == 4 and max(groups) > 1, f"the coordinator saw groups {groups}"
-
-
-def _relay(tmp: Path, name: str, upstream: str) -> tuple[subprocess.Popen[bytes], int]:
-    return spawn(
-        tmp / f"{name}-port",
-        ["--upstream", upstream, "--local-ranks", "4", "--window", "20"],
-        stdout=open(tmp / f"{name}.log", "wb"),  # closed with the process
-        new_session=True,
-        command="relay",
-    )
-
-
-@pytest.mark.parametrize("upstream", ["current", "older-coordinator", "older-relay"])
-def test_a_relay_sends_a_nodes_ranks_as_one_class_and_one_per_rank_to_an_older_upstream(
-    tmp_path: Path, upstream: str
-) -> None:
-    """Relays send a node's ranks as one class (the coordinator validates and holds the
-    shared part once); an upstream that reads no classes (an older coordinator, or an older
-    rack relay) answers the first such group as empty, and from then on gets one request
-    per rank: every job forms, and the relay says so once."""
-    procs = []
-    with coordinator_process("--join-deadline", "30", tmp=tmp_path) as (coordinator, _):
-        above = coordinator
-        if upstream == "older-relay":  # node relay -> (older) rack relay -> coordinator
-            rack, rack_port = _relay(tmp_path, "rack", coordinator)
-            procs.append(rack)
-            above = f"127.0.0.1:{rack_port}"
-        proxy = GrpcProxy(above, older=upstream != "current")
-        node, port = _relay(tmp_path, "node", proxy.addr)
-        procs.append(node)
-        try:
-            m = manifest_of()
-            for job in ("a", "b"):
-                one_cohort(run_cohort(f"127.0.0.1:{port}", job, dict.fromkeys(range(4), m)), FORMED)
-        finally:
-            for proc in procs:
-                kill_group(proc)
-            proxy.stop()
-    said = (tmp_path / "node.log").read_text().count("the upstream reads no rank classes")
-    if upstream != "current":
-        assert proxy.sent() == ["classes", "members", "members"], proxy.sent()
-        assert said == 1
-    else:
-        assert proxy.sent() == ["classes", "classes"], proxy.sent()
-        # rank 0 (loud, the rendezvous) is a class of its own; the other three one class
-        assert sorted(sorted(c.rank) for c in proxy.groups[0].ranks) == [[0], [1, 2, 3]]
-        assert said == 0

@@ -1,7 +1,7 @@
-"""Requests validated at the edge (edge/rpc.py), each bound at its limit and one past it,
-with the error the caller reads: its status (the exception type) and what it names. Found by
-mutation: the code files' validation, the digests' count and a group's fingerprints had no
-test that a changed bound, message or cache key would fail."""
+"""Requests validated at the edge (edge/rpc.py, edge/joins.py), each bound at its limit and
+one past it, with the error the caller reads: its status (the exception type) and what it
+names. Found by mutation: the code files' validation, the digests' count and a group's
+fingerprints had no test that a changed bound, message or cache key would fail."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cohortgate.coordinator.contract.errors import (
     LimitExceeded,
 )
 from cohortgate.coordinator.contract.limits import Limits
-from cohortgate.coordinator.edge import rpc
+from cohortgate.coordinator.edge import joins, rpc
 from tests.helpers import join_request, manifest_of
 
 pytestmark = pytest.mark.timeout(30)
@@ -100,7 +100,7 @@ def test_digests_are_taken_up_to_the_manifest_entry_limit_and_refused_past_it() 
 
 
 def test_a_groups_members_keep_their_own_fingerprints() -> None:
-    """Members of one call share their validation (rpc.Seen) only where their values are
+    """Members of one call share their validation (joins.Seen) only where their values are
     the same: a rank of another config in a relay's group is judged by its own."""
     m = manifest_of()
     members = [join_request("g", r, 3, m) for r in range(3)]
@@ -108,7 +108,7 @@ def test_a_groups_members_keep_their_own_fingerprints() -> None:
     members[1].config.fields.update({"n_layer": "13"})
     members[2].config.fields.update({"n_layer": "12"})
     members[2].code.fields.update({"n_layer": "12", "train.py": "sha256:ab"})
-    intents = rpc.group_intents(pb.JoinGroupRequest(members=members))
+    intents = joins.group_intents(pb.JoinGroupRequest(members=members))
     configs = [dict(i.member.agreed["config"]) for i in intents]
     assert configs == [{"n_layer": "12"}, {"n_layer": "13"}, {"n_layer": "12"}]
     assert dict(intents[2].member.agreed["code"]) == {"n_layer": "12", "train.py": "sha256:ab"}
@@ -121,7 +121,7 @@ def test_a_bad_fingerprint_field_is_refused_naming_the_member_and_the_field() ->
     good.config.fields.update({"n_layer": "12"})
     bad.config.fields.update({"": "12"})
     with pytest.raises(InvalidArgument) as raised:
-        rpc.group_intents(pb.JoinGroupRequest(members=[good, bad]))
+        joins.group_intents(pb.JoinGroupRequest(members=[good, bad]))
     said = str(raised.value)
     assert said.startswith("members[1] (rank 1): config field name '' must be 1-"), said
 
@@ -129,14 +129,14 @@ def test_a_bad_fingerprint_field_is_refused_naming_the_member_and_the_field() ->
 def test_a_group_is_one_job_and_round_of_one_to_max_group_ranks() -> None:
     m = manifest_of()
     with pytest.raises(InvalidArgument) as raised:
-        rpc.group_intents(pb.JoinGroupRequest())
+        joins.group_intents(pb.JoinGroupRequest())
     assert str(raised.value) == "the group has no members; a JoinGroup call needs at least one"
-    biggest = [join_request("g", r, rpc.MAX_GROUP + 1, m) for r in range(rpc.MAX_GROUP + 1)]
-    assert len(rpc.group_intents(pb.JoinGroupRequest(members=biggest[:-1]))) == rpc.MAX_GROUP
+    biggest = [join_request("g", r, joins.MAX_GROUP + 1, m) for r in range(joins.MAX_GROUP + 1)]
+    assert len(joins.group_intents(pb.JoinGroupRequest(members=biggest[:-1]))) == joins.MAX_GROUP
     with pytest.raises(LimitExceeded) as over:
-        rpc.group_intents(pb.JoinGroupRequest(members=biggest))
+        joins.group_intents(pb.JoinGroupRequest(members=biggest))
     assert str(over.value) == (
-        f"the group has {rpc.MAX_GROUP + 1} members; the limit is {rpc.MAX_GROUP} per call"
+        f"the group has {joins.MAX_GROUP + 1} members; the limit is {joins.MAX_GROUP} per call"
     )
     for other in (
         join_request("other-job", 1, 4, m),
@@ -144,14 +144,14 @@ def test_a_group_is_one_job_and_round_of_one_to_max_group_ranks() -> None:
         join_request("g", 1, 4, m, round=2),
     ):
         with pytest.raises(InvalidArgument) as mixed:
-            rpc.group_intents(pb.JoinGroupRequest(members=[join_request("g", 0, 4, m), other]))
+            joins.group_intents(pb.JoinGroupRequest(members=[join_request("g", 0, 4, m), other]))
         said = str(mixed.value)
         assert said.startswith("members[1] (rank 1) is of job") and said.endswith(
             "one group holds ranks of one job and round"
         ), said
     twice = [join_request("g", 0, 4, m), join_request("g", 0, 4, m)]
     with pytest.raises(InvalidArgument, match=r"^members\[1\]: rank 0 appears twice"):
-        rpc.group_intents(pb.JoinGroupRequest(members=twice))
+        joins.group_intents(pb.JoinGroupRequest(members=twice))
 
 
 def audit(**fields: object) -> pb.AuditRequest:

@@ -219,7 +219,7 @@ def test_a_group_validates_what_its_members_share_once_and_each_difference_on_it
     validated once per call, and a member whose value differs (a bad one) is still refused,
     named by its place in the group; the members that share a value share the result."""
     from cohortgate.coordinator.contract.errors import InvalidArgument, LimitExceeded
-    from cohortgate.coordinator.edge.rpc import group_intents
+    from cohortgate.coordinator.edge.joins import group_intents
 
     m = manifest_of()
 

@@ -18,7 +18,7 @@ from cohortgate.coordinator.decision.cohort import CohortState, Member
 from cohortgate.coordinator.decision.formation import FormationOptions, decide
 from cohortgate.coordinator.decision.verdict import Outcome
 from cohortgate.coordinator.edge.auth import Auth, TokenStore
-from cohortgate.coordinator.edge.rpc import join_intent
+from cohortgate.coordinator.edge.joins import join_intent
 from tests.helpers import join_request, manifest_of
 from tests.test_parity import arrays
 from tests.test_pieces import findings, named

@@ -3,7 +3,7 @@ classes of ranks whose requests differ only in who sent them (rank, local rank, 
 incarnation). A node's ranks normally form one class, so the coordinator validates, admits
 and holds the shared part once per call, not once per rank.
 
-Structural only (no validation: the coordinator's `edge.rpc.group_intents` validates what
+Structural only (no validation: the coordinator's `edge.joins.group_intents` validates what
 arrives); used by relays on both sides of a hop, and by the benches and tests that play one.
 """
 

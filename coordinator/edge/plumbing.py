@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.contract.errors import InvalidArgument
 
 
 class Malformed:
@@ -25,6 +26,15 @@ class Malformed:
 def parse_request(cls: Any, data: bytes) -> Any:
     """`data` as a `cls` message, or Malformed (for RAW_REQUESTS handlers, off the loop)."""
     return _safe_deserializer(cls)(data)
+
+
+def parsed(cls: Any, data: bytes, sent: Any = None) -> Any:
+    """`data` as a `cls` message, or INVALID_ARGUMENT naming the message `sent` (default
+    `cls`: a header read from the front of a larger message names the larger one)."""
+    message = parse_request(cls, data)
+    if isinstance(message, Malformed):
+        raise InvalidArgument(message.message.replace(cls.__name__, (sent or cls).__name__))
+    return message
 
 
 def _safe_deserializer(cls: Any) -> Callable[[bytes], Any]:

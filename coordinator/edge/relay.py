@@ -26,7 +26,7 @@ import structlog
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec.channel import ClientSecurity
-from cohortgate.coordinator.codec.groups import as_classes, members_of
+from cohortgate.coordinator.codec.groups import members_of
 from cohortgate.coordinator.codec.leader import Upstream
 from cohortgate.coordinator.contract.limits import Limits
 from cohortgate.coordinator.edge.plumbing import (
@@ -40,6 +40,7 @@ from cohortgate.coordinator.edge.relay_parts import (
     GONE,
     REGROUP_S,
     Group,
+    GroupFormats,
     GroupKey,
     Outage,
     Rank,
@@ -83,8 +84,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         self._connect()
         # JoinPoll upstream (--upstream-rpc poll), until the upstream answers UNIMPLEMENTED
         self.polling = poll
-        # Upstreams that read no rank classes (older versions): groups go one request per rank
-        self._older: set[str] = set()
+        self.formats = GroupFormats()  # how each upstream takes a group
         self.window_s = window_s
         self.local_ranks = local_ranks
         self._pending: dict[GroupKey, Group] = {}
@@ -301,10 +301,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         polls."""
 
         def request() -> pb.JoinGroupRequest:  # as they are now: the round pinned
-            joins = [r.request for r in members.values()]
-            if self.upstream in self._older:
-                return pb.JoinGroupRequest(members=joins)
-            return as_classes(joins)
+            return self.formats.group(self.upstream, [r.request for r in members.values()])
 
         while self.polling:
             call = group.call = self.stub.JoinPoll(request(), metadata=group.metadata)
@@ -365,26 +362,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             await self._unavailable(group, members, exc)
             return True
-        return self._reads_no_classes(exc)
-
-    def _reads_no_classes(self, exc: grpc.aio.AioRpcError) -> bool:
-        """An upstream older than rank classes reads a group sent as classes as empty (a
-        coordinator: "the group has no members"; a relay: "got 0 members"): from then on
-        this relay sends it one request per rank. True once per upstream."""
-        details = exc.details() or ""
-        if (
-            self.upstream in self._older
-            or exc.code() != grpc.StatusCode.INVALID_ARGUMENT
-            or ("the group has no members" not in details and "got 0 members" not in details)
-        ):
-            return False
-        self._older.add(self.upstream)
-        log.warning(
-            "the upstream reads no rank classes (an older version): sending it one request "
-            "per rank",
-            upstream=self.upstream,
-        )
-        return True
+        return self.formats.older(self.upstream, exc)
 
     async def _unavailable(
         self, group: Group, members: dict[int, Rank], exc: grpc.aio.AioRpcError

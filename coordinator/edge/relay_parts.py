@@ -1,5 +1,6 @@
 """The relay's pieces (edge/relay.py): a rank it holds, a group it joins upstream as one
-call, an upstream outage it rides out, and the calls it forwards as they came."""
+call (as classes of ranks, or one request per rank to an older upstream), an upstream outage
+it rides out, and the calls it forwards as they came."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import grpc
 import structlog
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec.groups import as_classes
 
 if TYPE_CHECKING:
     from cohortgate.coordinator.edge.relay import Relay
@@ -112,6 +114,38 @@ class Outage:
             unreachable_s=round(time.monotonic() - self.since, 2),
             attempts=self.attempts,
         )
+
+
+class GroupFormats:
+    """How each upstream takes a group: as classes of ranks (`codec/groups.py`), or, where
+    it is older than them, one request per rank."""
+
+    def __init__(self) -> None:
+        self._older: set[str] = set()  # upstreams that read no rank classes
+
+    def group(self, upstream: str, joins: list[pb.JoinRequest]) -> pb.JoinGroupRequest:
+        if upstream in self._older:
+            return pb.JoinGroupRequest(members=joins)
+        return as_classes(joins)
+
+    def older(self, upstream: str, exc: grpc.aio.AioRpcError) -> bool:
+        """An upstream older than rank classes reads a group sent as classes as empty (a
+        coordinator: "the group has no members"; a relay: "got 0 members"): from then on
+        it gets one request per rank. True once per upstream: the group re-joins at once."""
+        details = exc.details() or ""
+        if (
+            upstream in self._older
+            or exc.code() != grpc.StatusCode.INVALID_ARGUMENT
+            or ("the group has no members" not in details and "got 0 members" not in details)
+        ):
+            return False
+        self._older.add(upstream)
+        log.warning(
+            "the upstream reads no rank classes (an older version): sending it one request "
+            "per rank",
+            upstream=upstream,
+        )
+        return True
 
 
 def first_line(text: str) -> str:

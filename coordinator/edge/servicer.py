@@ -32,7 +32,7 @@ from cohortgate.coordinator.contract.errors import (
 )
 from cohortgate.coordinator.contract.limits import Limits
 from cohortgate.coordinator.decision.cohort import UploadKind
-from cohortgate.coordinator.edge import replies, rpc
+from cohortgate.coordinator.edge import joins, replies, rpc
 from cohortgate.coordinator.edge.auth import Auth
 from cohortgate.coordinator.service.core import Coordinator
 from cohortgate.coordinator.state.base import JoinIntent
@@ -224,7 +224,7 @@ class CohortServicer(pb_grpc.CohortServiceServicer):
         return intents
 
     async def _intents(self, method: str, data: bytes) -> tuple[str, list[JoinIntent]]:
-        decode = rpc.join_intents if method == "Join" else rpc.group_join_intents
+        decode = joins.join_intents if method == "Join" else joins.group_join_intents
         return await self._decoded(decode, data)
 
     async def _decoded(
