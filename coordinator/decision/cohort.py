@@ -70,9 +70,9 @@ class Member:
         """The same join sent by another rank of its class (a relay's `RankClass`): what
         they share is shared (never changed once joined), not copied field by field."""
         twin: Member = object.__new__(Member)
-        twin.__dict__.update(self.__dict__)
-        twin.rank, twin.local_rank, twin.host, twin.pid = rank, local_rank, host, pid
-        twin.incarnation = incarnation
+        fields = self.__dict__.copy()
+        fields.update(rank=rank, local_rank=local_rank, host=host, pid=pid, incarnation=incarnation)
+        twin.__dict__ = fields
         return twin
 
 

@@ -168,13 +168,8 @@ def _as_rank(
     )
 
 
-def class_intents(cls: pb.RankClass, limits: Limits, seen: Seen) -> list[JoinIntent]:
-    """A class of ranks (one request and a column per rank of who sent it) validated into
-    one intent per rank; the shared part validated once."""
-    ranks = list(cls.rank)
-    if not ranks:
-        raise InvalidArgument("the class has no ranks; each class names at least one")
-    n = len(ranks)
+def _columns(cls: pb.RankClass, n: int) -> None:
+    """A class's columns hold one value per rank, and its join none of them."""
     for name, column in (
         ("local_rank", cls.local_rank),
         ("pid", cls.pid),
@@ -199,16 +194,43 @@ def class_intents(cls: pb.RankClass, limits: Limits, seen: Seen) -> list[JoinInt
             f"the class's join sets {', '.join(own)}: it holds what the ranks share, and "
             "each rank's own values go in the class's columns"
         )
+
+
+def class_intents(cls: pb.RankClass, limits: Limits, seen: Seen) -> list[JoinIntent]:
+    """A class of ranks (one request and a column per rank of who sent it) validated into
+    one intent per rank; the shared part validated once."""
+    ranks = list(cls.rank)
+    if not ranks:
+        raise InvalidArgument("the class has no ranks; each class names at least one")
+    n = len(ranks)
+    _columns(cls, n)
+    join = cls.join
     shared = _shared(join, limits, seen)
-    hosts = (
-        [seen.text(h, "host", required=True) for h in cls.host]
-        if cls.host
-        else [seen.text(join.host, "host", required=True)] * n
+    if 0 in ranks:
+        _as_rank(shared, 0, 0, "", 0, "")  # rank 0 must offer the rendezvous
+    # Each column checked as a whole (in C); a bad value is found and named one by one.
+    hosts = list(cls.host) or [join.host] * n
+    for host in set(hosts):
+        seen.text(host, "host", required=True)
+    incarnations = list(cls.incarnation)
+    if not (
+        all(incarnations)
+        and max(map(len, incarnations)) <= MAX_INCARNATION
+        and all(map(str.isprintable, incarnations))
+    ):
+        for incarnation in incarnations:
+            _incarnation(incarnation)
+    base, job_id, round_, world, quiet = (
+        shared.member,
+        shared.job_id,
+        shared.round,
+        shared.world_size,
+        shared.quiet,
     )
     return [
-        _as_rank(shared, rank, local, host, pid, _incarnation(inc))
+        JoinIntent(job_id, round_, base.twin(rank, local, host, pid, inc), world, quiet)
         for rank, local, host, pid, inc in zip(
-            ranks, cls.local_rank, hosts, cls.pid, cls.incarnation, strict=True
+            ranks, cls.local_rank, hosts, cls.pid, incarnations, strict=True
         )
     ]
 
@@ -247,11 +269,8 @@ def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> 
     if count > MAX_GROUP:
         raise LimitExceeded(f"the group has {count} members; the limit is {MAX_GROUP} per call")
     parts = _parts(req, limits)
-    intents: list[JoinIntent] = []
     first_where, (first, *_) = parts[0]
-    ranks: set[int] = set()
-    for where, part in parts:
-        intent = part[0]
+    for where, (intent, *_) in parts:
         if (intent.job_id, intent.world_size, intent.round) != (
             first.job_id,
             first.world_size,
@@ -263,14 +282,22 @@ def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> 
                 f"size {first.world_size} round {first.round}: one group holds ranks of one "
                 "job and round"
             )
+    intents = [intent for _, part in parts for intent in part]
+    if len({i.member.rank for i in intents}) != len(intents):
+        _twice(parts)
+    return intents
+
+
+def _twice(parts: list[tuple[str, list[JoinIntent]]]) -> None:
+    """The first rank a group holds twice, named with where it came again."""
+    ranks: set[int] = set()
+    for where, part in parts:
         for intent in part:
             if intent.member.rank in ranks:
                 raise InvalidArgument(
                     f"{where.split(' (')[0]}: rank {intent.member.rank} appears twice in the group"
                 )
             ranks.add(intent.member.rank)
-        intents += part
-    return intents
 
 
 def join_intents(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, list[JoinIntent]]:
