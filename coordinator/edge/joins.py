@@ -150,15 +150,20 @@ def _shared(req: pb.JoinRequest, limits: Limits, seen: Seen) -> JoinIntent:
     )
 
 
-def _as_rank(
-    shared: JoinIntent, rank: int, local_rank: int, host: str, pid: int, incarnation: str
-) -> JoinIntent:
-    """The shared part of a join as rank `rank` sent it."""
-    if rank == 0 and not shared.member.init_method:
+def _offers_rendezvous(rank0: JoinIntent) -> None:
+    if not rank0.member.init_method:
         raise InvalidArgument(
             "rank 0 offered no init_method: rank 0 must offer the rendezvous endpoint "
             "(tcp://HOST:PORT) that the cohort will use"
         )
+
+
+def _as_rank(
+    shared: JoinIntent, rank: int, local_rank: int, host: str, pid: int, incarnation: str
+) -> JoinIntent:
+    """The shared part of a join as rank `rank` sent it."""
+    if rank == 0:
+        _offers_rendezvous(shared)
     return JoinIntent(
         shared.job_id,
         shared.round,
@@ -207,7 +212,7 @@ def class_intents(cls: pb.RankClass, limits: Limits, seen: Seen) -> list[JoinInt
     join = cls.join
     shared = _shared(join, limits, seen)
     if 0 in ranks:
-        _as_rank(shared, 0, 0, "", 0, "")  # rank 0 must offer the rendezvous
+        _offers_rendezvous(shared)
     # Each column checked as a whole (in C); a bad value is found and named one by one.
     hosts = list(cls.host) or [join.host] * n
     for host in set(hosts):
