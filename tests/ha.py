@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers import log_events, serving_pid
-from tests.launches import TRAIN, coordinator_process, freeze, launch, launch_env
+from tests.launches import TRAIN, coordinator_process, freeze, launch, launch_env, one_node_args
 
 SERVICE = "cohortgate.v1.CohortService"
 
@@ -137,16 +137,8 @@ def held_job(
     tmp: Path, addrs: str, job: str, hold: Path, *, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], list[str]]:
     """A 4-rank torchrun job whose ranks 2 and 3 join once `hold` exists."""
-    args = [
-        "--nproc-per-node",
-        "4",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        "0",
-        "--monitor-interval",
-        "0.2",
-        str(TRAIN),
+    args = one_node_args(
+        TRAIN,
         "--steps",
         "1",
         "--hold-rank",
@@ -155,7 +147,7 @@ def held_job(
         "3",
         "--hold-file",
         str(hold),
-    ]
+    )
     environment = launch_env(
         tmp, COHORTGATE_ADDR=addrs, COHORTGATE_JOB=job, MASTER_ADDR="127.0.0.1", **(env or {})
     )

@@ -171,6 +171,22 @@ def sandboxed_env(tmp: Path) -> dict[str, str]:
     return {**os.environ, "HOME": str(home), **xdg}
 
 
+def one_node_args(script: Path, *script_args: str, nproc: int = 4) -> list[str]:
+    """torchrun's arguments for a single-node job of `nproc` ranks on this machine."""
+    return [
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        str(script),
+        *script_args,
+    ]
+
+
 def two_node_args(rdzv: str, job: str, script: Path, *script_args: str) -> list[str]:
     """torchrun's arguments for one of two nodes (2 ranks each) of `job` on this machine."""
     return [
@@ -246,19 +262,7 @@ def torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """A single-node torchrun job of `nproc` gloo ranks joining `addr` as `job`."""
     env = launch_env(tmp, COHORTGATE_ADDR=addr, COHORTGATE_JOB=job, MASTER_ADDR="127.0.0.1")
-    args = [
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        "0",
-        "--monitor-interval",
-        "0.2",
-        str(script),
-        *script_args,
-    ]
-    proc = launch(args, env, tmp)
+    proc = launch(one_node_args(script, *script_args, nproc=nproc), env, tmp)
     (out,) = finish([proc], timeout=170)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 

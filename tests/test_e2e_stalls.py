@@ -23,6 +23,7 @@ from tests.launches import (
     kill_job_workers,
     launch,
     launch_env,
+    one_node_args,
     two_node_args,
 )
 from tests.netfault import FaultProxy
@@ -39,19 +40,7 @@ SLOW_STEPS = ("--steps", "400", "--step-sleep", "0.2", "--quiet")
 
 
 def job_args(job: str, *script_args: str) -> list[str]:
-    return [
-        "--nproc-per-node",
-        "4",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        "0",
-        "--monitor-interval",
-        "0.2",
-        str(TRAIN),
-        *SLOW_STEPS,
-        *script_args,
-    ]
+    return one_node_args(TRAIN, *SLOW_STEPS, *script_args)
 
 
 def explained(addr: str, job: str, tmp: Path, until: str, within: float) -> str:

@@ -15,12 +15,14 @@ from cohortgate.coordinator.contract.errors import FailedPrecondition, LimitExce
 Formed = Callable[[str, int], tuple[str, dict[int, str]] | None]
 
 
-class Seen(Protocol):
+class LastSeen(Protocol):
+    """What the table keeps: anything that says when a call last brought it news."""
+
     @property
     def last_seen(self) -> float: ...
 
 
-T = TypeVar("T", bound=Seen)
+T = TypeVar("T", bound=LastSeen)
 
 
 class Watched(Generic[T]):
