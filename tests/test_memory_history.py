@@ -88,3 +88,34 @@ def test_serve_with_history_off_replays_lists_and_numbers_rounds_from_memory() -
         assert progress.progress.round == 2
     finally:
         c.stop()
+
+
+def test_a_verdict_stored_at_once_goes_out_at_once_without_the_record_timer() -> None:
+    """Record, then send: a history that stores before `record` returns (this one) has the
+    verdict delivered there and then, not on a later turn of the loop behind a timer."""
+    import asyncio
+
+    from cohortgate.coordinator.decision.verdict import Outcome, Verdict
+    from cohortgate.coordinator.service.core import Coordinator
+    from cohortgate.coordinator.service.events import UploadAsk
+    from cohortgate.coordinator.state.base import JoinIntent
+    from tests.helpers import manifest_of, member_of
+
+    async def one_rank() -> tuple[bool, bool, object]:
+        coordinator = Coordinator()
+        m = manifest_of()
+        events = coordinator.join_group([JoinIntent("now", 0, member_of(0, m), 1)])
+        ask = await anext(events)
+        assert isinstance(ask, UploadAsk)
+        coordinator.upload(ask.ref, m, m.signature())  # completes the cohort: decided
+        cohort = coordinator.find("now")
+        assert cohort is not None and cohort.verdict is not None
+        recording = coordinator.delivery.recording(cohort)
+        tracked = coordinator.book.get(cohort) is not None
+        verdict = await anext(events)
+        coordinator.close()
+        return recording, tracked, verdict
+
+    recording, tracked, verdict = asyncio.run(one_rank())
+    assert (recording, tracked) == (False, False), "delivered as the upload decided it"
+    assert isinstance(verdict, Verdict) and verdict.outcome is Outcome.FORMED

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable
 
 import structlog
@@ -68,14 +69,28 @@ class Delivery:
             tracked.cancel()  # a decided cohort has no recheck or asks left
             tracked.recording = True
             loop = asyncio.get_running_loop()
+            # Stored before `record` returned (the in-memory history, or a writer thread
+            # that was quick): delivered here, without a timer or a trip through the loop.
+            recording, stored, lock = True, False, threading.Lock()
 
             def written() -> None:  # on the history's writer thread (or in `record`)
+                nonlocal stored
+                with lock:
+                    if recording:
+                        stored = True
+                        return
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
                     loop.call_soon_threadsafe(self._stored, cohort)
 
+            history.record(row, written)
+            with lock:
+                recording = False
+            if stored:
+                self._changed(cohort)
+                self._stored(cohort)
+                return
             if not history.fenced:
                 self.book.arm(cohort, "record", self.book.clock() + RECORD_WAIT_S, self._unrecorded)
-            history.record(row, written)
         self._changed(cohort)
 
     def recording(self, cohort: LiveCohort) -> bool:
