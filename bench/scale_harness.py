@@ -178,13 +178,15 @@ def torchft_module() -> Any:
     import importlib.util
     import site
 
+    # the extension's name differs between torchft's wheels of 0.2.0
     for root in site.getsitepackages():
-        for path in Path(root, "torchft").glob("torchft_module*.so"):
-            spec = importlib.util.spec_from_file_location("torchft_module", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
+        for name in ("torchft_module", "_torchft"):
+            for path in Path(root, "torchft").glob(f"{name}.*so"):
+                spec = importlib.util.spec_from_file_location(name, path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                return module
     return None
 
 
