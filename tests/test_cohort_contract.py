@@ -99,6 +99,55 @@ def test_joins_fill_one_open_round_and_say_what_is_wrong(store: CohortStore) -> 
     assert store.waiting_ranks == 2, "a refused join leaves no trace"
 
 
+def test_the_rest_of_a_call_joins_as_each_rank_would_alone(store: CohortStore) -> None:
+    """`join_next`: a call's later ranks skip what the call shares, not a rule: each is
+    admitted, refused, seated as an intruder or held again exactly as `join` would."""
+    a, b, c = member(0), member(1), member(2, WIDE)
+    asked: set[bytes] = set()
+    head = store.join(JoinIntent("j", 0, a, 4), asked)
+    for m in (b, c):
+        result = store.join_next(head, JoinIntent("j", 0, m, 4), asked)
+        assert result.cohort is head.cohort and not (result.opened or result.intruder)
+    cohort = head.cohort
+    assert sorted(cohort.state.members) == [0, 1, 2] and store.waiting_ranks == 3
+    kinds = {m.rank: [x.kind for x in asks.of(cohort.asks, m)] for m in (a, b, c)}
+    assert kinds == {0: [UploadKind.MANIFEST], 1: [], 2: [UploadKind.MANIFEST]}
+    assert asked == {M.signature(), WIDE.signature()}, "each signature asked once a call"
+    again = store.join_next(head, JoinIntent("j", 0, b, 4), asked)
+    assert again.member is b and store.waiting_ranks == 3, "the same process again"
+    with pytest.raises(InvalidArgument, match="outside"):
+        store.join_next(head, JoinIntent("j", 0, member(4), 4), asked)
+    with pytest.raises(FailedPrecondition, match="world size 5 disagrees"):
+        store.join_next(head, JoinIntent("j", 0, member(3), 5), asked)
+    with pytest.raises(AlreadyHeld, match="Two processes claim the same RANK"):
+        store.join_next(head, JoinIntent("j", 0, member(1), 4), asked)
+    with pytest.raises(FailedPrecondition, match="round 7 of job 'j' does not exist yet"):
+        store.join_next(head, JoinIntent("j", 7, member(3), 4), asked)
+    other = store.join_next(head, JoinIntent("j", 0, member(1, launch="node9:1"), 4), asked)
+    assert other.intruder and cohort.state.intruders == [other.member]
+    assert store.waiting_ranks == 3 and sorted(cohort.state.members) == [0, 1, 2]
+
+
+def test_the_rest_of_a_call_gets_its_decided_round_back_or_goes_the_long_way(
+    store: CohortStore, clock: Clock
+) -> None:
+    cohort, a, b = pair(store)
+    store.upload(ref(cohort, a), M, M.signature())
+    decide_in(store, cohort, clock())
+    restart = member(0)
+    restart.restart_count = 1
+    head = store.join(JoinIntent("j", 0, restart, 2), set())
+    assert head.opened and head.cohort.round == 2
+    replay = store.join_next(head, JoinIntent("j", 0, b, 2), set())
+    assert replay.replayed and replay.cohort is cohort, "b took part in the decided round 1"
+    store.leave(head.cohort, restart)
+    assert store.abandon(head.cohort)  # the call's round is over: the next rank opens one
+    late = member(1)
+    late.restart_count = 1
+    moved = store.join_next(head, JoinIntent("j", 0, late, 2), set())
+    assert moved.opened and moved.cohort.round == 3
+
+
 def test_another_launchs_rank_is_an_intruder_not_a_member(store: CohortStore, clock: Clock) -> None:
     store.join(JoinIntent("j", 0, member(0), 2))
     result = store.join(JoinIntent("j", 0, member(0, launch="node9:1234"), 2))

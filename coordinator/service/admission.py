@@ -153,9 +153,12 @@ class Admission:
         cohort: LiveCohort | None = None
         waiting = intruders = 0  # counted once for the call, not per rank
         opened = False
+        head: JoinResult | None = None  # the call's first rank that joined the open round
+        asked: set[bytes] = set()  # signatures whose manifest ask this call ensured
         try:
             for intent in intents:
-                result = self._join_store(intent)
+                result = self._join_store(intent, head, asked)
+                head = head or (None if result.replayed else result)
                 if result.replayed:
                     if held:
                         raise FailedPrecondition(
@@ -207,20 +210,28 @@ class Admission:
         )
         return cohort, held
 
-    def _join_store(self, intent: JoinIntent) -> JoinResult:
-        """The store's join; a rank held by a call that has ended (its cancel reached grpc,
-        its done callback has not run yet: a restart racing its predecessor) is freed
-        first, instead of the restart being told ALREADY_EXISTS while the cohort may
-        complete with the dead call."""
+    def _join_store(
+        self, intent: JoinIntent, first: JoinResult | None, asked: set[bytes]
+    ) -> JoinResult:
+        """The store's join (after the call's `first` rank, the rest of the call's way); a
+        rank held by a call that has ended (its cancel reached grpc, its done callback has
+        not run yet: a restart racing its predecessor) is freed first, instead of the
+        restart being told ALREADY_EXISTS while the cohort may complete with the dead call."""
+
+        def join() -> JoinResult:
+            if first is None:
+                return self.store.join(intent, asked)
+            return self.store.join_next(first, intent, asked)
+
         try:
-            return self.store.join(intent)
+            return join()
         except AlreadyHeld:
             cohort = self.store.find(intent.job_id)
             held = cohort.state.members.get(intent.member.rank) if cohort else None
             if cohort is None or held is None or self.calls.answers(cohort, held):
                 raise
             self.departures.depart(cohort, held)
-            return self.store.join(intent)
+            return join()
 
     async def _wait(
         self,

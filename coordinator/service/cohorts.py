@@ -54,7 +54,10 @@ class Cohorts(CohortStore):
         self.data = data if data is not None else open_cohort_data()
 
     # -- joins -------------------------------------------------------------------------
-    def join(self, intent: JoinIntent) -> JoinResult:
+    def join(self, intent: JoinIntent, asked: set[bytes] | None = None) -> JoinResult:
+        """`intent` joins its job's open round (or a new one), or gets the decided round it
+        took part in. `asked`: the signatures a manifest ask is already ensured for, by the
+        earlier ranks of the same call (this join adds its own)."""
         now = self.clock()
         member = intent.member
         member.joined_at = member.last_seen = now
@@ -67,8 +70,44 @@ class Cohorts(CohortStore):
         opened = job is None or job.current.settled
         admit.check_room(self.waiting_cohorts, self.waiting_ranks, self.limits, opened)
         job = self._round_for(job, intent, now)
-        cohort = job.current
-        state = cohort.state
+        return self._seat(job, job.current, intent, now, asked, opened=opened)
+
+    def join_next(self, first: JoinResult, intent: JoinIntent, asked: set[bytes]) -> JoinResult:
+        """Another rank of the call whose first rank joined as `first`: what `join` does for
+        it, without looking up again what every rank of the call shares (the job and its
+        open round, the call's clock); a call whose round moved meanwhile (a departure
+        decided it) joins the long way."""
+        cohort, member = first.cohort, intent.member
+        job = self.data.get(intent.job_id)
+        if (
+            job is None
+            or job.current is not cohort
+            or cohort.settled
+            or intent.round not in (0, cohort.round)
+        ):
+            return self.join(intent, asked)
+        now = first.member.joined_at
+        member.joined_at = member.last_seen = now
+        admit.check_rank(member.rank, intent.world_size)
+        replay = self._replay(job, intent)  # (no successor: the current round is open)
+        if replay is not None:
+            return replay
+        admit.check_room(self.waiting_cohorts, self.waiting_ranks, self.limits, False)
+        return self._seat(job, cohort, intent, now, asked, opened=False)
+
+    def _seat(
+        self,
+        job: Job,
+        cohort: LiveCohort,
+        intent: JoinIntent,
+        now: float,
+        asked: set[bytes] | None,
+        *,
+        opened: bool,
+    ) -> JoinResult:
+        """The join takes its rank in the open round `cohort` (or is another launch's
+        intruder there)."""
+        member, state = intent.member, cohort.state
         admit.check_world(job.job_id, state.round, state.world_size, intent.world_size)
         held = state.members.get(member.rank)
         if admit.seat(job.job_id, state.round, held, member) is admit.Seat.INTRUDER:
@@ -79,9 +118,21 @@ class Cohorts(CohortStore):
         if opened:
             self.waiting_cohorts += 1
         state.add(member, now)
-        # The first rank of each signature is asked for its manifest at once.
-        asks.ask(cohort.asks, state, UploadKind.MANIFEST, member.signature, prefer=member, now=now)
+        self._ask(cohort, member, now, asked)
         return JoinResult(cohort, member, opened=opened)
+
+    @staticmethod
+    def _ask(cohort: LiveCohort, member: Member, now: float, asked: set[bytes] | None) -> None:
+        """The first rank of each signature is asked for its manifest at once. Within one
+        call, once per signature: members are only added while a call joins, so the ask
+        its first rank of a signature ensured still stands for the next."""
+        if asked is not None:
+            if member.signature in asked:
+                return
+            asked.add(member.signature)
+        asks.ask(
+            cohort.asks, cohort.state, UploadKind.MANIFEST, member.signature, prefer=member, now=now
+        )
 
     def _round_for(self, job: Job | None, intent: JoinIntent, now: float) -> Job:
         """The job with the round this join takes part in: its open one, or a new one."""

@@ -173,8 +173,15 @@ class CohortStore(abc.ABC):
     waiting_ranks: int
 
     @abc.abstractmethod
-    def join(self, intent: JoinIntent) -> JoinResult:
-        """Admit a rank to its job's open round (opening one), or say why not."""
+    def join(self, intent: JoinIntent, asked: set[bytes] | None = None) -> JoinResult:
+        """Admit a rank to its job's open round (opening one), or say why not. `asked`: the
+        signatures whose manifest ask the call's earlier ranks ensured (this one adds its
+        own)."""
+
+    @abc.abstractmethod
+    def join_next(self, first: JoinResult, intent: JoinIntent, asked: set[bytes]) -> JoinResult:
+        """Another rank of the call whose first rank joined as `first`: as `join`, without
+        looking up again what the call's ranks share."""
 
     @abc.abstractmethod
     def leave(self, cohort: LiveCohort, member: Member) -> list[Member]:
