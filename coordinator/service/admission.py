@@ -257,7 +257,8 @@ class Admission:
                 if await self._recorded(cohort, poke, alive):
                     yield cohort.verdict
                 return
-            held[:] = [(k, m) for k, m in held if self.calls.owns(k, poke)]
+            if not self.calls.holds_all(cohort, poke, len(held)):
+                held[:] = [(k, m) for k, m in held if self.calls.owns(k, poke)]
             if not self._still_waiting(held, intents, alive):
                 return  # the call is gone: the caller's `finally` frees the ranks
             if cohort.asks.made != asks_seen:

@@ -106,6 +106,13 @@ class Calls:
             if not calls:
                 del self._cohorts[key]
 
+    def holds_all(self, cohort: LiveCohort, poke: asyncio.Event, count: int) -> bool:
+        """Does the call of `poke` still hold all `count` members it held of `cohort` (none
+        taken by another call since)? One look per call, not one per member: a call holds
+        only the members it joined, so its count says it."""
+        call = self._cohorts.get(key_of(cohort), {}).get(poke)
+        return call is not None and call.members == count
+
     def answers(self, cohort: LiveCohort, member: Member) -> bool:
         """Is `member`'s call still open (as far as grpc knows)?"""
         held = self._held.get(ref_of(cohort, member.rank, member.incarnation))
