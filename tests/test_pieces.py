@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.codec import wire
-from cohortgate.coordinator.contract.errors import InvalidArgument
+from cohortgate.coordinator.contract.errors import InvalidArgument, LimitExceeded
 from cohortgate.coordinator.contract.layout import Layout, PieceColumns, ShardPiece, layout
 from cohortgate.coordinator.decision.checks.coverage import DETAILED, CoverageCheck
 from cohortgate.coordinator.decision.coverage import OUTSIDE_NAMED
@@ -259,6 +259,76 @@ def columns(**fields: object) -> pb.Layout:
     for name, value in fields.items():
         setattr(good.columns, name, value)
     return good
+
+
+@pytest.mark.parametrize("column", ["shapes", "offsets", "lengths"])
+def test_every_value_of_a_column_is_bounded_by_its_own_top_byte(column: str) -> None:
+    """The columns' range check reads each integer's top byte: the last value of a column
+    at the top of its width's range (2^31 - 1 in 4 bytes, 2^62 - 1 in 8) is taken, one past
+    it refused, whatever the values before it."""
+    good = columns()
+    width = good.columns.width
+    top = {4: 2**31, 8: 2**62}[width]
+    data = bytearray(getattr(good.columns, column))
+    assert len(data) >= 2 * width, "two values at least: the last one is the one changed"
+    data[-width:] = (top - 1).to_bytes(width, "little")
+    wire.layout_from_pb(columns(**{column: bytes(data)}))
+    data[-width:] = top.to_bytes(width, "little")
+    with pytest.raises(InvalidArgument) as raised:
+        wire.layout_from_pb(columns(**{column: bytes(data)}))
+    assert str(raised.value) == (
+        f"layout columns: {column} holds a value outside 0 to 2^62; shapes, offsets and "
+        "lengths are non-negative"
+    )
+
+
+def test_replicated_takes_0_and_1_and_refuses_every_other_byte() -> None:
+    wire.layout_from_pb(columns(replicated=b"\x00\x01"))
+    with pytest.raises(InvalidArgument) as short:
+        wire.layout_from_pb(columns(replicated=b"\x00"))
+    assert str(short.value) == (
+        "layout columns: replicated is 1 bytes; 2 pieces of 2 tensors need 2"
+    )
+    for byte in range(2, 256):
+        with pytest.raises(InvalidArgument) as raised:
+            wire.layout_from_pb(columns(replicated=bytes([0, byte])))
+        assert str(raised.value) == "layout columns: replicated holds a byte other than 0 or 1"
+
+
+def of_tensors(*tensors: str) -> pb.Layout:
+    """Columns of tensors that hold no pieces: names alone are what is checked."""
+    n = len(tensors)
+    laid = columns(dims=bytes(n), counts=bytes(4 * n), shapes=b"", offsets=b"", lengths=b"")
+    laid.columns.replicated = b""
+    del laid.columns.tensors[:]
+    laid.columns.tensors.extend(tensors)
+    return laid
+
+
+def test_layout_tensor_names_are_checked_at_their_bounds() -> None:
+    wire.layout_from_pb(of_tensors("a" * wire.MAX_NAME, "b"))
+    for tensors, says in (
+        (("a", ""), "layout tensor 1 is empty; it is required"),
+        (
+            ("a" * (wire.MAX_NAME + 1), "b"),
+            f"layout tensor 0 is {wire.MAX_NAME + 1} characters long; the limit is {wire.MAX_NAME}",
+        ),
+        (("a", "b\n"), "layout tensor 1 'b\\n' holds non-printable characters"),
+        (("a", "a"), "layout columns name a tensor twice; group its pieces in one run"),
+    ):
+        with pytest.raises(InvalidArgument) as raised:
+            wire.layout_from_pb(of_tensors(*tensors))
+        assert str(raised.value) == says, tensors
+
+
+def test_a_layout_of_more_tensors_than_pieces_allowed_is_refused_by_count() -> None:
+    names = [f"t{i}" for i in range(wire.MAX_PIECES + 1)]
+    wire.layout_from_pb(of_tensors(*names[:-1]))
+    with pytest.raises(LimitExceeded) as raised:
+        wire.layout_from_pb(of_tensors(*names))
+    assert str(raised.value) == (
+        f"the layout declares {wire.MAX_PIECES + 1} pieces; the limit is {wire.MAX_PIECES} per rank"
+    )
 
 
 @pytest.mark.parametrize(
