@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
+from cohortgate.coordinator.contract.digests import files_field
 from cohortgate.coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
@@ -20,6 +21,7 @@ from cohortgate.coordinator.contract.errors import (
     NotFound,
 )
 from cohortgate.coordinator.decision import asks
+from cohortgate.coordinator.decision import upload_checks as checks
 from cohortgate.coordinator.decision.cohort import CohortState, UploadKind
 from cohortgate.coordinator.decision.formation import FormationOptions
 from cohortgate.coordinator.decision.report import judge
@@ -218,8 +220,48 @@ def test_uploads_are_checked_against_what_their_rank_joined_with(
     with pytest.raises(InvalidUpload, match="hashes to"):
         store.upload(ref(cohort, b), M, WIDE.signature())  # a manifest that is not its own
     assert cohort.state.invalid_uploads, "the cohort is refused, every rank hears why"
+    assert (UploadKind.MANIFEST, WIDE.signature()) not in cohort.asks.open, "nobody asked again"
     decide_in(store, cohort, clock())
     assert cohort.verdict is not None and cohort.verdict.cause is Cause.MANIFEST_INVALID
+
+
+def test_code_files_are_kept_for_their_modules_field_once_and_a_lie_keeps_none(
+    store: CohortStore,
+) -> None:
+    """A rank's local code files, asked for when ranks' code differs: kept under the
+    `modules` field its rank joined with (the first list for a field stays), its ask done;
+    a list that does not combine to that field is refused and keeps nothing to name."""
+    files = {r: [(f"m{r}.py", bytes([r]) * 32), ("train.py", b"\x09" * 32)] for r in range(3)}
+    ranks = [member(r) for r in range(3)]
+    for r, m in enumerate(ranks[:2]):
+        m.agreed = {"code": (("modules", files_field(files[r])),)}
+    cohort = store.join(JoinIntent("j", 0, ranks[0], 3)).cohort
+    for m in ranks[1:]:
+        store.join(JoinIntent("j", 0, m, 3))
+    key = files_field(files[0]).encode()
+    asks.ask(cohort.asks, cohort.state, UploadKind.FILES, key, prefer=ranks[0])
+    assert store.upload_files(ref(cohort, ranks[0]), files[0]) is cohort
+    assert cohort.state.files == {key: tuple(files[0])}
+    assert (UploadKind.FILES, key) not in cohort.asks.open, "the ask is answered"
+    store.upload_files(ref(cohort, ranks[0]), files[0])
+    assert cohort.state.files == {key: tuple(files[0])}, "kept once"
+    lying = files_field(files[1]).encode()
+    with pytest.raises(InvalidUpload) as raised:
+        store.upload_files(ref(cohort, ranks[1]), files[0])
+    assert str(raised.value) == checks.files_lie(1, ranks[1], lying, key)
+    assert str(raised.value).startswith("the code files uploaded by rank 1 (host host1) do not")
+    assert raised.value.cohort is cohort and cohort.state.files[lying] == ()
+    with pytest.raises(FailedPrecondition) as without:
+        store.upload_files(ref(cohort, ranks[2]), files[2])
+    assert str(without.value) == (
+        "rank 2 joined without a modules field; there are no files to name"
+    )
+    with pytest.raises(FailedPrecondition) as stranger:
+        store.upload_files(UploadRef("j", 1, 0, "not-a-member"), files[0])
+    assert str(stranger.value) == (
+        "rank 0 incarnation not-a-member is not a member of job 'j' round 1: join before "
+        "uploading code files"
+    )
 
 
 def test_the_first_rank_of_each_signature_is_asked_and_the_ask_moves_when_it_leaves(
