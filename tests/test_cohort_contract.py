@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cohortgate.coordinator.contract.digests import files_field
+from cohortgate.coordinator.contract.digests import combine_uploaded, files_field
 from cohortgate.coordinator.contract.errors import (
     AlreadyHeld,
     FailedPrecondition,
@@ -262,6 +262,67 @@ def test_code_files_are_kept_for_their_modules_field_once_and_a_lie_keeps_none(
         "rank 0 incarnation not-a-member is not a member of job 'j' round 1: join before "
         "uploading code files"
     )
+
+
+def test_digests_are_refused_until_their_rank_can_send_them_each_cause_in_full(
+    store: CohortStore,
+) -> None:
+    a, b = member(0), member(1)
+    b.weights_digest = b"\x07" * 32
+    cohort = store.join(JoinIntent("j", 0, a, 2)).cohort
+    store.join(JoinIntent("j", 0, b, 2))
+    n = len(M)
+    for who, count, error, says in (
+        (
+            UploadRef("j", 1, 1, "nobody"),
+            n,
+            FailedPrecondition,
+            "rank 1 incarnation nobody is not a member of job 'j' round 1: join before "
+            "uploading digests",
+        ),
+        (
+            ref(cohort, a),
+            n,
+            FailedPrecondition,
+            "rank 0 joined without a weights digest; there is nothing to explain",
+        ),
+        (
+            ref(cohort, b),
+            n + 1,
+            InvalidArgument,
+            f"{n + 1} digests uploaded, but rank 1's manifest has {n} entries: send one per "
+            "entry, in manifest order",
+        ),
+        (
+            ref(cohort, b),
+            n,
+            FailedPrecondition,
+            "the manifest of rank 1's signature is not uploaded yet; digests are named by its "
+            "entries",
+        ),
+    ):
+        with pytest.raises(error) as raised:
+            store.upload_digests(who, [b"\x00" * 32] * count)
+        assert str(raised.value) == says
+
+
+def test_digests_that_combine_to_their_weights_digest_are_kept_and_others_refused(
+    store: CohortStore,
+) -> None:
+    digests = [bytes([i]) * 32 for i in range(len(M))]
+    a, b = member(0), member(1)
+    a.weights_digest = combine_uploaded((e.name for e in M.entries), digests)
+    b.weights_digest = b"\x07" * 32  # digests that combine to something else
+    cohort = store.join(JoinIntent("j", 0, a, 2)).cohort
+    store.join(JoinIntent("j", 0, b, 2))
+    store.upload(ref(cohort, a), M, M.signature())
+    assert store.upload_digests(ref(cohort, a), digests) is cohort
+    assert cohort.state.tensor_digests == {a.weights_digest: tuple(digests)}
+    with pytest.raises(InvalidUpload) as raised:
+        store.upload_digests(ref(cohort, b), digests)
+    assert str(raised.value) == checks.digests_lie(1, b, a.weights_digest)
+    assert (UploadKind.DIGESTS, b.weights_digest) in cohort.state.invalid_uploads
+    assert b.weights_digest not in cohort.state.tensor_digests
 
 
 def test_the_first_rank_of_each_signature_is_asked_and_the_ask_moves_when_it_leaves(
