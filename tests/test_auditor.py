@@ -110,6 +110,62 @@ def test_a_divergence_found_as_the_job_ends_is_raised_at_close_under_strict(
 
 
 @pytest.mark.slow  # waits out --stall-after and the ranks' next marks
+def test_every_nth_step_is_audited_and_none_under_the_off_policy(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """COHORTGATE_AUDIT_EVERY (Auditor.every): steps between are marked, not audited; the
+    off policy audits nothing."""
+    v = formed(coordinator.addr, "agent-every", world=2)
+    ranks = auditors(coordinator.addr, v)
+    m = model()
+    for a in ranks:
+        a.every = 2
+        for step in range(4):
+            a.audit(m, step)
+        a.close(10)
+        assert (a.last_step, a.compared_until) == (2, 3), "steps 0 and 2 audited, 3 not"
+    off = Auditor(identity(coordinator.addr, v, 0), v.cohort_id, v.round, "")
+    off.level = "off"
+    off.audit(m, 4)
+    assert off.last_step == -1 and not off.queue
+    off.close(1)
+
+
+@pytest.mark.parametrize("coordinator", [{"policy": "audit=strict"}], indirect=True)
+def test_strict_stops_each_rank_at_the_stop_step_with_the_same_words_once(
+    coordinator: InProcessCoordinator, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A divergence under strict: each rank's audit at the stop step raises
+    ReplicasDiverged, says so on stderr (the report from local rank 0 only) and in
+    torchrun's error file; closing afterwards says nothing more."""
+    v = formed(coordinator.addr, "agent-stop", world=2)
+    errors = [str(tmp_path / f"error-{r}.json") for r in range(2)]
+    ranks = [
+        Auditor(identity(coordinator.addr, v, r, errors[r]), v.cohort_id, v.round, "")
+        for r in range(2)
+    ]
+    for r, a in enumerate(ranks):
+        a.audit(model(r), 0)  # rank 1 differs
+    wait_until("the stop step told", lambda: all(a.stop_step for a in ranks), 30)
+    stop = ranks[0].stop_step
+    assert stop > 0 and ranks[1].stop_step == stop
+    for a in ranks:
+        a.audit(model(0), stop - 1)  # before the stop step: training goes on
+        with pytest.raises(ReplicasDiverged) as raised:
+            a.audit(model(0), stop)
+        assert raised.value.step == stop and raised.value.headline == a.headline
+        a.close(10)  # raised already: not told twice
+    told = capsys.readouterr().err
+    headline = ranks[0].headline
+    assert headline.startswith("replicas diverged at step 0: ")
+    for r in range(2):
+        said = f"[cohortgate] rank {r} on here: stopped at step {stop}: {headline}"
+        assert told.count(said) == 1, told
+        written = json.loads(Path(errors[r]).read_text())["message"]
+        assert written["message"] == f"ReplicasDiverged: {headline}"
+    assert told.count(ranks[0].report) == 1, "the report once, from local rank 0"
+
+
 def test_step_marks_name_a_stall_and_each_rank_hears_it_once(
     coordinator: InProcessCoordinator, capsys: pytest.CaptureFixture[str]
 ) -> None:
