@@ -331,6 +331,37 @@ def test_a_layout_of_more_tensors_than_pieces_allowed_is_refused_by_count() -> N
     )
 
 
+def test_layout_piece_counts_and_dimensions_are_checked_at_their_bounds() -> None:
+    """One tensor of 0 dimensions holds pieces with no values: the count alone is checked.
+    The piece limit is taken and one past refused; a count past 2^31 is a count, not a
+    negative; MAX_DIMS dimensions are taken; no width given is 8 bytes."""
+
+    def pieces(count: int, dims: int = 0, width: int = 0) -> pb.Layout:
+        laid = of_tensors("t")
+        cols = laid.columns
+        cols.dims, cols.counts, cols.width = bytes([dims]), count.to_bytes(4, "little"), width
+        values = dims * min(count, wire.MAX_PIECES + 1) * (width or 8)
+        cols.shapes = bytes((width or 8) * dims)
+        cols.offsets = cols.lengths = bytes(values)
+        cols.replicated = bytes(min(count, wire.MAX_PIECES + 1))  # refused by count first
+        return laid
+
+    wire.layout_from_pb(pieces(wire.MAX_PIECES))
+    for count in (wire.MAX_PIECES + 1, 2**31):
+        with pytest.raises(LimitExceeded) as raised:
+            wire.layout_from_pb(pieces(count))
+        assert str(raised.value) == (
+            f"the layout declares {count} pieces; the limit is {wire.MAX_PIECES} per rank"
+        )
+    wire.layout_from_pb(pieces(1, dims=wire.MAX_DIMS))
+    with pytest.raises(LimitExceeded) as deep:
+        wire.layout_from_pb(pieces(1, dims=wire.MAX_DIMS + 1))
+    assert str(deep.value) == (
+        f"a layout tensor has {wire.MAX_DIMS + 1} dimensions; the limit is {wire.MAX_DIMS}"
+    )
+    assert wire.layout_from_pb(pieces(2, dims=1, width=0)).columns().width == 8
+
+
 @pytest.mark.parametrize(
     ("broken", "code", "says"),
     [
