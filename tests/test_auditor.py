@@ -164,6 +164,29 @@ def test_strict_stops_each_rank_at_the_stop_step_with_the_same_words_once(
         written = json.loads(Path(errors[r]).read_text())["message"]
         assert written["message"] == f"ReplicasDiverged: {headline}"
     assert told.count(ranks[0].report) == 1, "the report once, from local rank 0"
+    assert f"rank 0 on here: stopped at step {stop}: {headline}\n{ranks[0].report}" in told
+
+
+def test_an_optimizer_whose_state_differs_is_a_divergence(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """The optimizer's state is audited with the weights: the same weights with other
+    momentum buffers diverge."""
+    v = formed(coordinator.addr, "agent-optim", world=2)
+    ranks = auditors(coordinator.addr, v)
+    for r, a in enumerate(ranks):
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.0, momentum=0.9)  # lr 0: weights stay
+        m(torch.full((2, 4), float(r + 1))).sum().backward()  # other gradients per rank
+        opt.step()
+        a.audit(m, 0, optimizer=opt)
+    for a in ranks:
+        a.close(10)
+    assert ranks[0].headline == (
+        "replicas diverged at step 0: no majority: rank 0 on here and rank 1 on here hold "
+        "different weights in optimizer.state.0.momentum_buffer"
+    )
+    assert "3 tensors of 8 differ: optimizer.state.0.momentum_buffer," in ranks[0].report
 
 
 def test_step_marks_name_a_stall_and_each_rank_hears_it_once(
