@@ -154,6 +154,7 @@ def test_strict_stops_each_rank_at_the_stop_step_with_the_same_words_once(
         with pytest.raises(ReplicasDiverged) as raised:
             a.audit(model(0), stop)
         assert raised.value.step == stop and raised.value.headline == a.headline
+        assert raised.value.report == a.report and a.report
         a.close(10)  # raised already: not told twice
     told = capsys.readouterr().err
     headline = ranks[0].headline
@@ -163,6 +164,7 @@ def test_strict_stops_each_rank_at_the_stop_step_with_the_same_words_once(
         assert told.count(said) == 1, told
         written = json.loads(Path(errors[r]).read_text())["message"]
         assert written["message"] == f"ReplicasDiverged: {headline}"
+        assert written["extraInfo"]["py_callstack"] == f"{headline}\n{ranks[r].report}"
     assert told.count(ranks[0].report) == 1, "the report once, from local rank 0"
     assert f"rank 0 on here: stopped at step {stop}: {headline}\n{ranks[0].report}" in told
 
