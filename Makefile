@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps demo test test-fast lint typecheck unit proto proto-check bench clean mutation docs
+.PHONY: mutation-recheck venv system-deps demo test test-fast lint typecheck unit proto proto-check bench clean mutation docs
 
 venv: $(STAMP)
 
@@ -96,6 +96,11 @@ mutation: venv
 	ln -s ../agent mutants/cohortgate/agent && ln -s ../coordinator mutants/cohortgate/coordinator
 	PATH="$(TEST_PATH):$$PATH" COHORTGATE_EXAMPLES_SCALE=0.1 $(VENV)/bin/mutmut run --max-children 2
 	$(VENV)/bin/mutmut results --all true | awk '{print $$NF}' | sort | uniq -c
+
+## mutation-recheck: run each mutant `make mutation` reported as survived again by hand (mutmut
+## 3.8.1 reports some killed ones as survived); writes mutation-recheck.json
+mutation-recheck: venv
+	$(PY) scripts/mutation_recheck.py
 
 bench: venv
 	$(PY) bench/bench_signature.py
