@@ -3,8 +3,10 @@ with the C kernel and with torch ops, against the definition."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -216,21 +218,61 @@ def test_the_cpu_kernel_is_built_and_splits_big_tensors_across_threads() -> None
 
 
 def test_without_the_kernel_cpu_digests_are_the_same_and_say_so_once() -> None:
-    # A process where cohortgate.agent._digest cannot be imported (an install without a compiler).
+    # A process where cohortgate.agent._digest cannot be imported (an install without a
+    # compiler), importing the cohortgate this test imports (under `make mutation`, the
+    # mutated one).
+    import cohortgate
+
     script = (
-        "import sys; sys.modules['cohortgate.agent._digest'] = None\n"
+        "import logging, sys; sys.modules['cohortgate.agent._digest'] = None\n"
+        "logging.basicConfig(format='%(name)s %(levelname)s %(message)s')\n"
         "import torch\n"
-        "from cohortgate.agent.digest import KERNEL, tensor_digest\n"
+        "from cohortgate.agent.digest import KERNEL, chunk_sums, tensor_digest\n"
         "assert not KERNEL\n"
         "t = torch.arange(10000, dtype=torch.float32)\n"
         "print(tensor_digest('w', t).hex(), tensor_digest('w', t).hex())\n"
+        "try:\n"
+        "    chunk_sums(t, kernel=True)\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)\n"
     )
+    env = {**os.environ, "PYTHONPATH": str(Path(cohortgate.__file__).parent.parent)}
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
     )
     expected = tensor_digest("w", torch.arange(10000, dtype=torch.float32)).hex()
-    assert done.stdout.split() == [expected, expected]
-    assert done.stderr.count("use torch ops, ~5x slower than the C kernel") == 1, done.stderr
+    first, asked = done.stdout.split("\n", 1)
+    assert first.split() == [expected, expected]
+    assert asked.strip() == (
+        "the digest's C kernel (cohortgate.agent._digest) was not built: reinstall cohortgate "
+        "where a C compiler and the Python headers are present"
+    )
+    assert done.stderr == (
+        "cohortgate.agent WARNING weight digests of CPU tensors use torch ops, ~5x slower than "
+        "the C kernel (cohortgate.agent._digest), which this install lacks: reinstall "
+        "cohortgate where a C compiler and the Python headers are present\n"
+    ), done.stderr
+
+
+def test_lazy_and_unaligned_views_digest_their_values() -> None:
+    """A conjugate or negative view holds its values lazily, a view at an odd byte offset
+    is unaligned: each digests as the tensor of its values does, on both CPU paths."""
+    z = torch.randn(64, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
+    raw = torch.arange(4099, dtype=torch.uint8)
+    for kernel in (True, False):
+        for view, values in (
+            (z.conj(), z.conj().resolve_conj()),
+            (torch._neg_view(z), (-z).clone()),
+            (raw[1:], raw[1:].clone()),
+        ):
+            assert tensor_digest("v", view, kernel=kernel) == tensor_digest(
+                "v", values, kernel=kernel
+            ), (kernel, view.is_conj(), view.is_neg())
 
 
 def test_the_kernel_rejects_buffers_of_the_wrong_size() -> None:
