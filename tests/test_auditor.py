@@ -131,6 +131,26 @@ def test_every_nth_step_is_audited_and_none_under_the_off_policy(
     off.close(1)
 
 
+def test_close_without_the_last_word_says_so_once_and_returns(
+    coordinator: InProcessCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank whose peer never audits its last step: close() waits its timeout, says it
+    closes without the comparison, and returns; closing again returns at once, silent."""
+    v = formed(coordinator.addr, "agent-alone", world=2)
+    alone = auditors(coordinator.addr, v)[0]
+    alone.audit(model(), 0)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="cohortgate.agent"):
+        alone.close(1.0)
+        waited = time.monotonic() - started
+        alone.close(1.0)  # closed already: nothing waited for, nothing said
+    assert [r.getMessage() for r in caplog.records] == [
+        "cohortgate: the audit of step 0 was not compared within 1s of cohort.close() (a "
+        "rank sent none, or the coordinator is unreachable); closing without its word"
+    ]
+    assert waited >= 1.0, "it waited its timeout for the last word"
+
+
 @pytest.mark.parametrize("coordinator", [{"policy": "audit=strict"}], indirect=True)
 def test_strict_stops_each_rank_at_the_stop_step_with_the_same_words_once(
     coordinator: InProcessCoordinator, capsys: pytest.CaptureFixture[str], tmp_path: Path
