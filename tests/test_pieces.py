@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -360,6 +360,99 @@ def test_layout_piece_counts_and_dimensions_are_checked_at_their_bounds() -> Non
         f"a layout tensor has {wire.MAX_DIMS + 1} dimensions; the limit is {wire.MAX_DIMS}"
     )
     assert wire.layout_from_pb(pieces(2, dims=1, width=0)).columns().width == 8
+
+
+def as_piece_messages(laid: pb.Layout) -> pb.Layout:
+    """The same layout as older agents send it: one ShardPiece message per piece."""
+    held = wire.layout_from_pb(laid)
+    older = pb.Layout()
+    older.CopyFrom(laid)
+    older.ClearField("columns")
+    for p in held.columns():
+        older.pieces.append(
+            pb.ShardPiece(
+                tensor=p.tensor,
+                shape=p.shape,
+                offset=p.offset,
+                length=p.length,
+                replicated=p.replicated,
+            )
+        )
+    return older
+
+
+def test_pieces_sent_one_message_each_read_as_the_columns_do_and_are_checked() -> None:
+    """Older agents send a layout's pieces as messages: the same layout comes out, and each
+    piece is checked at its bounds, named by its place and tensor."""
+    laid = columns()
+    older = as_piece_messages(laid)
+    assert len(older.pieces) == 2
+    assert list(wire.layout_from_pb(older).columns()) == list(wire.layout_from_pb(laid).columns())
+
+    def refused(
+        change: Callable[[pb.ShardPiece], None], error: type[Exception] = InvalidArgument
+    ) -> str:
+        broken = as_piece_messages(laid)
+        change(broken.pieces[1])
+        with pytest.raises(error) as raised:
+            wire.layout_from_pb(broken)
+        return str(raised.value)
+
+    named = "layout piece 1 ('b')"
+    assert refused(lambda p: setattr(p, "tensor", "")) == (
+        "layout piece 1 ('') tensor is empty; it is required"
+    )
+    long = "x" * (wire.MAX_NAME + 1)
+    assert refused(lambda p: setattr(p, "tensor", long)) == (
+        f"layout piece 1 ('{long[:80]}') tensor is {wire.MAX_NAME + 1} characters long; the "
+        f"limit is {wire.MAX_NAME}"
+    )
+    for field in ("shape", "offset", "length"):
+
+        def deeper(p: pb.ShardPiece, field: str = field) -> None:
+            getattr(p, field).extend([1] * wire.MAX_DIMS)
+
+        assert refused(deeper, LimitExceeded) == (
+            f"{named} has {wire.MAX_DIMS + 1} dimensions; the limit is {wire.MAX_DIMS}"
+        )
+    for bad in (-1, 2**62):
+
+        def out_of_range(p: pb.ShardPiece, bad: int = bad) -> None:
+            p.length[0] = bad
+
+        said = refused(out_of_range)
+        assert said == (
+            f"{named} has a negative or oversized shape, offset or length ([8], [0], [{bad}]); "
+            "each is 0 to 2^62"
+        )
+    top = as_piece_messages(laid)
+    top.pieces[1].shape[0] = 2**62 - 1
+    top.pieces[1].length[0] = 2**62 - 1
+    wire.layout_from_pb(top)  # the largest extent is taken
+    zero = as_piece_messages(laid)
+    zero.pieces[1].length[0] = 0
+    wire.layout_from_pb(zero)  # and the smallest
+
+    def another_shape(p: pb.ShardPiece) -> None:
+        p.tensor, p.shape[0] = "w", 9  # 'w' is declared with another shape by piece 0
+
+    said = refused(another_shape)
+    assert said == "layout pieces: tensor 'w' is declared with two logical shapes, [8, 8] and [9]"
+    deepest = as_piece_messages(laid)
+    d = wire.MAX_DIMS
+    deepest.pieces.append(pb.ShardPiece(tensor="d", shape=[1] * d, offset=[0] * d, length=[1] * d))
+    wire.layout_from_pb(deepest)  # MAX_DIMS dimensions are taken
+    many = pb.Layout()
+    many.CopyFrom(older)
+    del many.pieces[:]
+    many.pieces.extend([older.pieces[0]] * wire.MAX_PIECES)
+    wire.layout_from_pb(many)  # as many pieces as the limit are taken
+    many.pieces.append(older.pieces[0])
+    with pytest.raises(LimitExceeded) as over:
+        wire.layout_from_pb(many)
+    assert str(over.value) == (
+        f"the layout declares {wire.MAX_PIECES + 1} pieces; the limit is {wire.MAX_PIECES} per rank"
+    )
 
 
 @pytest.mark.parametrize(
