@@ -381,6 +381,67 @@ def as_piece_messages(laid: pb.Layout) -> pb.Layout:
     return older
 
 
+def test_a_layout_comes_through_the_wire_whole_and_its_axes_are_checked() -> None:
+    """Everything a layout declares survives the wire (sizes, position, config, dtype,
+    quantization, format, pieces); axes it does not know and sizes out of range are refused,
+    naming them; sizes and positions left out are 1 and 0."""
+    from cohortgate.coordinator.contract.layout import AXES
+    from cohortgate.coordinator.contract.limits import Limits
+
+    sent = (
+        layout(5, tp=2, pp=2, dp=2, config={"n_layer": 12}, dtype="bfloat16", quantization="fp8")
+        .split("w", (8, 8), 0, 0, 2)
+        .build()
+    )
+    msg = wire.layout_to_pb(sent)
+    got = wire.layout_from_pb(msg)
+    assert (got.sizes, got.position, got.config, got.dtype, got.quantization, got.format) == (
+        sent.sizes,
+        sent.position,
+        sent.config,
+        "bfloat16",
+        "fp8",
+        sent.format,
+    )
+    assert got.sizes["tp"] == 2 and got.position != dict.fromkeys(AXES, 0) and got.config
+    assert list(got.columns()) == list(sent.columns())
+    bare = pb.Layout(sizes={"tp": 2}, position={"tp": 1})
+    plain = wire.layout_from_pb(bare)
+    assert plain.sizes == {a: 2 if a == "tp" else 1 for a in AXES}
+    assert plain.position == {a: 1 if a == "tp" else 0 for a in AXES}
+    for table in ("sizes", "position"):
+        odd = pb.Layout()
+        getattr(odd, table).update({f"z{i}": 1 for i in range(7)})
+        with pytest.raises(InvalidArgument) as raised:
+            wire.layout_from_pb(odd)
+        assert str(raised.value) == (
+            f"layout {table} names unknown axes ['z0', 'z1', 'z2', 'z3', 'z4']; use "
+            f"{', '.join(AXES)}"
+        )
+    assert wire.layout_from_pb(pb.Layout(format=7)).format == 7
+    both = wire.layout_to_pb(sent)
+    both.pieces.append(pb.ShardPiece(tensor="w"))
+    with pytest.raises(InvalidArgument) as twice:
+        wire.layout_from_pb(both)
+    assert str(twice.value) == "the layout sends both pieces and columns; send one of them"
+    for field in ("config", "dtype", "quantization"):
+        long = pb.Layout()
+        setattr(long, field, "x" * (wire.MAX_TEXT + 1))
+        with pytest.raises(InvalidArgument) as too_long:
+            wire.layout_from_pb(long)
+        assert str(too_long.value) == (
+            f"layout {field} is {wire.MAX_TEXT + 1} characters long; the limit is {wire.MAX_TEXT}"
+        )
+    most = Limits().max_world_size
+    wire.layout_from_pb(pb.Layout(sizes={"dp": most}))
+    for size in (0, most + 1):
+        with pytest.raises(InvalidArgument) as out:
+            wire.layout_from_pb(pb.Layout(sizes={"dp": size}))
+        assert str(out.value) == (
+            f"layout sizes {{'dp': {size}}} must each be between 1 and {most}"
+        )
+
+
 def test_pieces_sent_one_message_each_read_as_the_columns_do_and_are_checked() -> None:
     """Older agents send a layout's pieces as messages: the same layout comes out, and each
     piece is checked at its bounds, named by its place and tensor."""
