@@ -72,7 +72,8 @@ class Auditor:
         self.stop_step = 0
         self.headline = self.report = ""
         self.diverged_step = 0
-        self._told = 0  # the divergence last printed (its step)
+        # the divergence last printed (its step and headline: step 0 is a step)
+        self._told: tuple[int, str] | None = None
         self.last_step = -1  # the last step this rank queued an audit of
         self._last: pb.RankAudit | None = None  # that audit, sent again while closing
         self.compared_until = 0  # what the coordinator last said it has compared
@@ -219,9 +220,10 @@ class Auditor:
         """Under warn: the divergence once per rank (the report once per node)."""
         with self.cond:
             step, headline, report = self.diverged_step, self.headline, self.report
-        if not step or step == self._told or not headline:
+            strict = self.level == "strict"  # said at the stop step instead, with the stop
+        if strict or not headline or (step, headline) == self._told:
             return
-        self._told = step
+        self._told = (step, headline)
         said = f"[cohortgate] rank {self.identity.rank} on {self.identity.host}: {headline}"
         if self.identity.local_rank == 0:
             said += f"\n{report}"

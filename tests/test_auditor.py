@@ -131,6 +131,29 @@ def test_every_nth_step_is_audited_and_none_under_the_off_policy(
     off.close(1)
 
 
+def test_under_warn_each_rank_says_the_divergence_once_and_trains_on(
+    coordinator: InProcessCoordinator, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The warn policy: every rank says the divergence on stderr once (the report from
+    local rank 0), however many audits and closes follow; nothing is raised."""
+    v = formed(coordinator.addr, "agent-warn", world=2)
+    ranks = auditors(coordinator.addr, v)
+    for r, a in enumerate(ranks):
+        a.audit(model(r), 0)  # rank 1 differs
+    wait_until("the divergence heard", lambda: all(a.headline for a in ranks), 30)
+    for step in (1, 2):
+        for r, a in enumerate(ranks):
+            a.audit(model(r), step)
+    for a in ranks:
+        a.close(10)
+    told = capsys.readouterr().err
+    headline, report = ranks[0].headline, ranks[0].report
+    assert headline.startswith("replicas diverged at step 0: ") and ranks[1].headline == headline
+    assert told.count(f"[cohortgate] rank 0 on here: {headline}\n{report}\n") == 1, told
+    assert told.count(f"[cohortgate] rank 1 on here: {headline}\n") == 1, told
+    assert told.count(report) == 1, "the report from local rank 0 only"
+
+
 def test_close_without_the_last_word_says_so_once_and_returns(
     coordinator: InProcessCoordinator, caplog: pytest.LogCaptureFixture
 ) -> None:
