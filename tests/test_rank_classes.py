@@ -96,15 +96,19 @@ def test_a_class_that_does_not_hold_together_is_refused_naming_what_is_wrong() -
     assert refused(empty, join_request("c", 0, 8, M)) == (
         "ranks[0] (0 ranks): the class has no ranks; each class names at least one"
     )
-    short = cls()
-    del short.pid[-1]
-    assert refused(short) == (
-        "ranks[0] (3 ranks): the class has 3 ranks and 2 pid values: each column holds one "
-        "value per rank"
-    )
+    for column in ("local_rank", "pid", "incarnation"):
+        short = cls()
+        del getattr(short, column)[-1]
+        assert refused(short) == (
+            f"ranks[0] (3 ranks): the class has 3 ranks and 2 {column} values: each column "
+            "holds one value per rank"
+        )
     hosts = cls()
     hosts.host.append("host9")
-    assert refused(hosts).startswith("ranks[0] (3 ranks): the class has 3 ranks and 1 host values")
+    assert refused(hosts) == (
+        "ranks[0] (3 ranks): the class has 3 ranks and 1 host values: one per rank, or none "
+        "for ranks of one host (join.host)"
+    )
     for name, value in (("rank", 4), ("local_rank", 1), ("pid", 7), ("incarnation", "x")):
         own = cls()
         setattr(own.join, name, value)
