@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.groups import size_of
 
 
 class Floor(pb_grpc.CohortServiceServicer):
@@ -68,8 +69,7 @@ class Floor(pb_grpc.CohortServiceServicer):
 def _group(request: pb.JoinGroupRequest) -> tuple[str, int, int]:
     """A group's job, world size and ranks, sent as members or as classes."""
     first = request.members[0] if request.members else request.ranks[0].join
-    ranks = len(request.members) + sum(len(c.rank) for c in request.ranks)
-    return first.job_id, first.world_size, ranks
+    return first.job_id, first.world_size, size_of(request)
 
 
 async def serve(port_file: Path) -> None:

@@ -42,6 +42,11 @@ def as_classes(members: Iterable[pb.JoinRequest]) -> pb.JoinGroupRequest:
     return pb.JoinGroupRequest(ranks=classes.values())
 
 
+def size_of(request: pb.JoinGroupRequest) -> int:
+    """How many ranks a group holds, sent either way."""
+    return len(request.members) + sum(len(cls.rank) for cls in request.ranks)
+
+
 def members_of(request: pb.JoinGroupRequest) -> list[pb.JoinRequest]:
     """Every rank's own request in a group, whichever way it was sent: its members, then
     each class's ranks. ValueError where a class's columns differ in length."""

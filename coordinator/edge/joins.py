@@ -5,6 +5,7 @@ one `JoinIntent` per rank, with what a call's ranks share validated once."""
 from __future__ import annotations
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.codec.groups import OWN, size_of
 from cohortgate.coordinator.codec.wire import (
     DEFAULT_LIMITS,
     MAX_JOB_ID,
@@ -78,8 +79,11 @@ def join_intent(
     """One join request validated into an intent; `seen`: what earlier members of the same
     call shared (validated once per call, not per rank)."""
     seen = seen or Seen()
+    shared = _shared(req, limits, seen)
+    if req.rank == 0:
+        _offers_rendezvous(shared)
     return _as_rank(
-        _shared(req, limits, seen),
+        shared,
         req.rank,
         req.local_rank,
         seen.text(req.host, "host", required=True),
@@ -162,8 +166,6 @@ def _as_rank(
     shared: JoinIntent, rank: int, local_rank: int, host: str, pid: int, incarnation: str
 ) -> JoinIntent:
     """The shared part of a join as rank `rank` sent it."""
-    if rank == 0:
-        _offers_rendezvous(shared)
     return JoinIntent(
         shared.job_id,
         shared.round,
@@ -191,9 +193,8 @@ def _columns(cls: pb.RankClass, n: int) -> None:
             "none for ranks of one host (join.host)"
         )
     join = cls.join
-    own = [f for f in ("rank", "local_rank", "pid", "incarnation") if getattr(join, f)]
-    if cls.host and join.host:
-        own.append("host")
+    # the host may be said once, in the join, for ranks of one host (no host column)
+    own = [f for f in OWN if getattr(join, f) and (f != "host" or cls.host)]
     if own:
         raise InvalidArgument(
             f"the class's join sets {', '.join(own)}: it holds what the ranks share, and "
@@ -225,15 +226,8 @@ def class_intents(cls: pb.RankClass, limits: Limits, seen: Seen) -> list[JoinInt
     ):
         for incarnation in incarnations:
             _incarnation(incarnation)
-    base, job_id, round_, world, quiet = (
-        shared.member,
-        shared.job_id,
-        shared.round,
-        shared.world_size,
-        shared.quiet,
-    )
     return [
-        JoinIntent(job_id, round_, base.twin(rank, local, host, pid, inc), world, quiet)
+        _as_rank(shared, rank, local, host, pid, inc)
         for rank, local, host, pid, inc in zip(
             ranks, cls.local_rank, hosts, cls.pid, incarnations, strict=True
         )
@@ -268,7 +262,7 @@ def _parts(req: pb.JoinGroupRequest, limits: Limits) -> list[tuple[str, list[Joi
 
 def group_intents(req: pb.JoinGroupRequest, limits: Limits = DEFAULT_LIMITS) -> list[JoinIntent]:
     """A relay's group: every member valid, one job and world size, no rank twice."""
-    count = len(req.members) + sum(len(cls.rank) for cls in req.ranks)
+    count = size_of(req)
     if not count:
         raise InvalidArgument("the group has no members; a JoinGroup call needs at least one")
     if count > MAX_GROUP:

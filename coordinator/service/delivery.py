@@ -59,6 +59,7 @@ class Delivery:
         history = self.history
         members = {m.rank: m.incarnation for m in cohort.state.members.values()}
         row = VerdictRow.of(verdict, members)
+        stored = False  # by the time `record` returned
         if not history.fenced and (history.problem or self._history_late):
             # A degraded history, or one already late: not waited for (again). A fenced
             # one (etcd) always is: not stored, not sent.
@@ -71,7 +72,7 @@ class Delivery:
             loop = asyncio.get_running_loop()
             # Stored before `record` returned (the in-memory history, or a writer thread
             # that was quick): delivered here, without a timer or a trip through the loop.
-            recording, stored, lock = True, False, threading.Lock()
+            recording, lock = True, threading.Lock()
 
             def written() -> None:  # on the history's writer thread (or in `record`)
                 nonlocal stored
@@ -85,13 +86,11 @@ class Delivery:
             history.record(row, written)
             with lock:
                 recording = False
-            if stored:
-                self._changed(cohort)
-                self._stored(cohort)
-                return
-            if not history.fenced:
+            if not (stored or history.fenced):
                 self.book.arm(cohort, "record", self.book.clock() + RECORD_WAIT_S, self._unrecorded)
         self._changed(cohort)
+        if stored:
+            self._stored(cohort)
 
     def recording(self, cohort: LiveCohort) -> bool:
         """Decided, and held back until the history stores the verdict?"""
