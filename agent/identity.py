@@ -18,6 +18,9 @@ from cohortgate.coordinator.contract.fingerprint import canonical
 
 # Packages whose version changes numerics: always named when installed.
 NUMERICS_PACKAGES = ("torch", "transformers", "numpy", "triton", "flash-attn", "deepspeed")
+# How long one git command may take (a wedged network file system, a held lock): past it,
+# the script is named by its file alone and the join goes on.
+GIT_TIMEOUT_S = 10.0
 
 
 def _git(directory: Path, *args: str) -> str | None:
@@ -26,7 +29,7 @@ def _git(directory: Path, *args: str) -> str | None:
             ["git", "-C", str(directory), *args],
             capture_output=True,
             text=True,
-            timeout=10,
+            timeout=GIT_TIMEOUT_S,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):

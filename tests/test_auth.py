@@ -88,5 +88,9 @@ def test_a_token_of_another_job_is_denied_naming_the_job(tmp_path: Path) -> None
     with pytest.raises(PermissionDenied) as err:
         auth.check_job(_bearer(TOKEN), "job-b")
     assert str(err.value) == "this token is for another job; it cannot reach job 'job-b'"
+    # checked before the request is validated: a hostile job id is named by its first 64
+    with pytest.raises(PermissionDenied) as err:
+        auth.check_job(_bearer(TOKEN), "x" * 64 + "TAIL" * 1000)
+    assert str(err.value) == f"this token is for another job; it cannot reach job '{'x' * 64}'"
     open_auth = Auth(None)
     assert not open_auth.enabled and open_auth.check_job([], "any").admin

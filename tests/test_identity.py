@@ -11,6 +11,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -145,9 +146,50 @@ def test_without_a_script_only_the_packages_are_named(monkeypatch: pytest.Monkey
     assert {"package.torch", "package.pytest", "package.grpcio"} <= set(fields)
 
 
-def test_a_module_whose_file_is_gone_is_left_out_and_the_rest_still_listed(tree: Path) -> None:
-    (tree / "helpers" / "util.py").unlink()  # imported first, deleted since
-    assert [rel for rel, _ in identity.local_files(tree)] == ["train.py"]
+@pytest.mark.parametrize(
+    ("gone", "left"), [("helpers/util.py", "train.py"), ("train.py", "helpers/util.py")]
+)
+def test_a_module_whose_file_is_gone_is_left_out_and_the_rest_still_listed(
+    tree: Path, gone: str, left: str
+) -> None:
+    """Either way round: the script is __main__, the first module listed, as well."""
+    (tree / gone).unlink()  # imported, deleted since
+    assert [rel for rel, _ in identity.local_files(tree)] == [left]
+
+
+def test_a_work_tree_without_a_commit_names_the_script_by_its_path_and_no_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`git rev-parse HEAD` fails there (and prints 'HEAD' as it does): no commit field."""
+    top = tmp_path / "fresh"
+    (top / "jobs").mkdir(parents=True)
+    (top / "jobs" / "run.py").write_text("pass\n")
+    _git(top, "init", "-q")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(top / "jobs" / "run.py"))
+    fields = identity.code_fields()
+    digest = hashlib.sha256(b"pass\n").hexdigest()[:16]
+    assert fields["script"] == json.dumps(f"jobs/run.py sha256:{digest}")
+    assert "git.commit" not in fields and "modules" not in fields
+
+
+def test_a_git_that_hangs_costs_its_timeout_and_the_script_is_named_by_its_file(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wedged git (a network file system, a lock) must not hang the rank's join."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "git").write_text("#!/bin/sh\nexec sleep 20\n")
+    (bin_dir / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(identity, "GIT_TIMEOUT_S", 0.3)
+    done: list[dict[str, str]] = []
+    worker = threading.Thread(target=lambda: done.append(identity.code_fields()), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done, "code_fields() still waits on a git that hangs"
+    digest = hashlib.sha256((tree / "train.py").read_bytes()).hexdigest()[:16]
+    assert done[0]["script"] == json.dumps(f"train.py sha256:{digest}")
+    assert "git.commit" not in done[0]
 
 
 def test_a_virtual_environment_is_found_at_any_depth_and_by_either_packages_folder(
@@ -175,3 +217,52 @@ def test_a_tokenizer_object_with_only_a_vocabulary_has_a_fingerprint() -> None:
             b'"vocab":[["a",0],["b",1]]}'
         ).hexdigest()
     )
+
+
+def test_a_fast_tokenizer_is_fingerprinted_by_its_whole_pipeline() -> None:
+    """A fast tokenizer: its `tokenizers` pipeline, as that library serializes it, in place
+    of the vocabulary (which the pipeline's model holds)."""
+    from cohortgate import tokenizer_fingerprint
+
+    class Backend:
+        def to_str(self) -> str:
+            return '{"model": {"type": "WordLevel", "vocab": {"a": 0}}, "normalizer": null}'
+
+    class Fast:
+        def __init__(self) -> None:
+            self.backend_tokenizer = Backend()
+            self.special_tokens_map = {"unk_token": "<unk>"}
+
+        def get_added_vocab(self) -> dict[str, int]:
+            return {"<t>": 1}
+
+    assert tokenizer_fingerprint(Fast()) == (
+        "sha256:"
+        + hashlib.sha256(
+            b'{"added":[["<t>",1]],"class":"Fast","format":"cohortgate.tokenizer.v1",'
+            b'"pipeline":{"model":{"type":"WordLevel","vocab":{"a":0}},"normalizer":null},'
+            b'"special":{"unk_token":"<unk>"}}'
+        ).hexdigest()
+    )
+
+
+def test_a_vocabulary_of_byte_tokens_has_a_fingerprint_that_tells_its_bytes() -> None:
+    """Byte-level vocabularies (tiktoken-style tokenizers) hold bytes, not text: they are
+    fingerprinted by their printed form, and two that differ by a byte differ."""
+    from cohortgate import tokenizer_fingerprint
+
+    class Bytes:
+        def __init__(self, last: bytes) -> None:
+            self.vocab = {b"a": 0, last: 1}
+
+        def get_vocab(self) -> dict[bytes, int]:
+            return self.vocab
+
+    assert tokenizer_fingerprint(Bytes(b"\xe4")) == (
+        "sha256:"
+        + hashlib.sha256(
+            b'{"added":[],"class":"Bytes","format":"cohortgate.tokenizer.v1","special":{},'
+            b'"vocab":[["b\'a\'",0],["b\'\\\\xe4\'",1]]}'
+        ).hexdigest()
+    )
+    assert tokenizer_fingerprint(Bytes(b"\xe4")) != tokenizer_fingerprint(Bytes(b"\xe5"))
