@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from cohortgate.agent.audit import Auditor
-from cohortgate.agent.torchrun import RankIdentity, ReplicasDiverged
+from cohortgate.agent.torchrun import CohortStalled, RankIdentity, ReplicasDiverged
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from tests.helpers import REPO, InProcessCoordinator, wait_until
 from tests.test_audits_grpc import formed, list_audits
@@ -348,3 +349,60 @@ def test_strict_ends_a_stuck_process_and_raises_in_one_that_reaches_its_next_mar
         assert error["message"].startswith("CohortStalled: stalled at step 2 for "), error
         assert "rank 0 on here in stuck (" in error["extraInfo"]["py_callstack"], error
     assert "ending the job (--policy stall=strict)" in outs[0][1], outs[0][1]
+
+
+class _EndRecorded(Auditor):
+    """The sender with the end of its process recorded, not done: this test's process must
+    live on (test_strict_ends_a_stuck_process_and_raises_in_one_that_reaches_its_next_mark
+    ends real processes)."""
+
+    def __init__(self, ident: RankIdentity) -> None:
+        super().__init__(ident, "cohort", 1, "")
+        self.ended = threading.Event()
+
+    def _end(self) -> None:
+        self.ended.set()
+
+
+def test_a_stall_answer_is_said_once_per_stall_and_under_strict_ends_the_job_with_its_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The coordinator's answers as the sender hears them: a snapshot asked for once per
+    stall; the stall said once per rank (the report by local rank 0 only); under strict the
+    report in torchrun's error file, the end started, and the next mark raising it."""
+    v = pb.Verdict(job_id="answers", world_size=2)
+    ranks = [
+        _EndRecorded(identity("127.0.0.1:1", v, r, str(tmp_path / f"e{r}.json"))) for r in (0, 1)
+    ]
+    for a in ranks:
+        a._heard_stall(pb.AuditAnswer(snapshot_wanted=3))
+        assert a._snapshot_for == 3
+        a._snapshot_for, a._snapshot_sent = 0, 3  # the sender sent it
+        a._heard_stall(pb.AuditAnswer(snapshot_wanted=3))  # asked again until the report
+        assert a._snapshot_for == 0
+        a._heard_stall(pb.AuditAnswer(snapshot_wanted=5))  # the next stall's
+        a._heard_stall(pb.AuditAnswer())  # an answer to an earlier beat: still wanted
+        assert a._snapshot_for == 5
+        a._snapshot_for = 0
+    warn = pb.AuditAnswer(stall_id=3, stall_headline="H3", stall_report="R3")
+    for a in ranks:
+        a._heard_stall(warn)
+        a._heard_stall(warn)  # every answer says so until the stall is over: said once
+        assert a.stalled is None and not a.ended.is_set()
+    assert capsys.readouterr().err == (
+        "[cohortgate] rank 0 on here: H3\nR3\n[cohortgate] rank 1 on here: H3\n"
+    )
+    strict = pb.AuditAnswer(stall_id=4, stall_headline="H4", stall_report="R4", stall_stop=True)
+    ranks[1]._heard_stall(strict)
+    assert capsys.readouterr().err == (
+        "[cohortgate] rank 1 on here: H4\n"
+        "[cohortgate] rank 1: ending the job (--policy stall=strict)\n"
+    )
+    error = json.loads((tmp_path / "e1.json").read_text())["message"]
+    assert (error["message"], error["extraInfo"]["py_callstack"]) == ("CohortStalled: H4", "H4\nR4")
+    assert ranks[1].ended.wait(10)
+    assert ranks[1].stalled == ("H4", "R4")
+    with pytest.raises(CohortStalled) as raised:
+        ranks[1].mark(9)
+    assert (raised.value.headline, raised.value.report) == ("H4", "R4")
+    assert not (tmp_path / "e0.json").exists() and not ranks[0].ended.is_set()
