@@ -178,17 +178,24 @@ def _drain_at_exit() -> None:
 def _close_at_exit() -> None:
     """A script that ended without cohort.close(): its audits still get their last word.
     Under the strict policy a divergence ends the process with EXIT_DIVERGED (an exception
-    raised in an exit hook would leave the exit code 0), once the report is out."""
-    from cohortgate.agent.audit import EXIT_DIVERGED
+    raised in an exit hook would leave the exit code 0), once the report is out; so does a
+    strict stall with EXIT_STALLED, where the script returned before the stall's own end
+    (STALL_GRACE_S after the report) came: the rank said it ends the job, it never exits 0."""
+    from cohortgate.agent.audit import EXIT_DIVERGED, EXIT_STALLED
     from cohortgate.agent.torchrun import ReplicasDiverged
 
     for auditor in list(_AUDITORS.values()):
+        code = 0
         try:
             auditor.close()
         except ReplicasDiverged:
+            code = EXIT_DIVERGED
+        if not code and auditor.stalled is not None:
+            code = EXIT_STALLED
+        if code:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(EXIT_DIVERGED)
+            os._exit(code)
 
 
 @functools.cache

@@ -406,3 +406,31 @@ def test_a_stall_answer_is_said_once_per_stall_and_under_strict_ends_the_job_wit
         ranks[1].mark(9)
     assert (raised.value.headline, raised.value.report) == ("H4", "R4")
     assert not (tmp_path / "e0.json").exists() and not ranks[0].ended.is_set()
+
+
+RETURNS_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+from cohortgate.agent import cohort
+from tests.test_auditor import _EndRecorded, identity
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+# the stall's own end (STALL_GRACE_S after the report) never comes: the script returns first
+a = _EndRecorded(identity("127.0.0.1:1", pb.Verdict(job_id="j", world_size=1), 0, None))
+cohort._AUDITORS[("cohort", 0)] = a
+cohort._register_close_at_exit()
+a._heard_stall(pb.AuditAnswer(stall_id=1, stall_headline="H", stall_report="R", stall_stop=True))
+"""
+
+
+def test_a_script_that_returns_after_a_strict_stall_still_exits_with_the_stall_code() -> None:
+    """Its rank said it ends the job: the exit hook ends it with EXIT_STALLED, never 0."""
+    from cohortgate.agent.audit import EXIT_STALLED
+
+    done = subprocess.run(
+        [sys.executable, "-c", RETURNS_SCRIPT.format(repo=str(REPO))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_STALLED, done.stderr
+    assert "ending the job (--policy stall=strict)" in done.stderr
