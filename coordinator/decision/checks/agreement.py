@@ -30,7 +30,12 @@ class AgreementCheck(Check):
         self.partial_strict = partial_strict
 
     def run(self, ctx: Context, level: Level) -> Result:
-        if len({m.agreed.get(self.name) for m in ctx.cohort.members.values()}) <= 1:
+        # The ranks of one call share one Fields object (edge.joins.Seen): the distinct
+        # objects first, so that each is hashed once, not once per rank.
+        sent_once = {
+            id(f): f for f in (m.agreed.get(self.name) for m in ctx.cohort.members.values())
+        }
+        if len(sent_once) <= 1 or len(set(sent_once.values())) <= 1:
             return Result()  # every rank sent the same fields (or none did)
         sent: dict[int, Fields | None] = {
             r: m.agreed.get(self.name) for r, m in ctx.cohort.members.items()
