@@ -61,7 +61,7 @@ async def serve_relay(
     if rank_grace_s is None:
         told = await relay.upstream_grace(FIRST_ASK_S)
         relay.rank_grace_s = told or DEFAULT_RANK_GRACE_S
-    server, health, port = await _start(relay, listen, max_message_bytes, tls)
+    server, health, port = await start_server(relay, listen, max_message_bytes, tls)
     if port_file:
         with open(port_file, "w") as f:
             f.write(f"{port}\n0\n")
@@ -99,7 +99,7 @@ async def serve_relay(
         )
         await health.enter_graceful_shutdown()
         await server.stop(0.5)
-        server, health, _ = await _start(relay, bound, max_message_bytes, tls)
+        server, health, _ = await start_server(relay, bound, max_message_bytes, tls)
         # Ranks that joined during the restart were refused (UNAVAILABLE: the agent
         # retries); from here they are served again.
         log.info("relaying again", listen=bound, rank_grace_s=relay.rank_grace_s)
@@ -108,7 +108,7 @@ async def serve_relay(
     await relay.close()
 
 
-async def _start(
+async def start_server(
     relay: Relay, listen: str, max_message_bytes: int, tls: ServerTLS
 ) -> tuple[grpc.aio.Server, HealthServicer, int]:
     """The relay's server, serving, with keepalive from the relay's rank grace now."""

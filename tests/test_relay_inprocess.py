@@ -1,0 +1,198 @@
+"""The relay's paths with the relay in the test process (tests/relays.py), between real
+gRPC clients and a real coordinator, and a gRPC hop (tests/grpc_proxy.py) that keeps each
+group as the relay sent it: groups and their cuts, verdicts and refusals to every rank, an
+upstream's error to its rank, a rank restarted or gone, and relays of relays. The same paths
+through relay processes are test_relays.py's; these are where a mutation run sees the
+relay's code."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.groups import members_of
+from tests.grpc_proxy import GrpcProxy
+from tests.helpers import (
+    InProcessCoordinator,
+    join_request,
+    manifest_of,
+    one_cohort,
+    run_cohort,
+    run_rank,
+    wait_until,
+)
+from tests.relays import InProcessRelay
+
+FORMED = pb.Verdict.OUTCOME_FORMED
+REFUSED = pb.Verdict.OUTCOME_REFUSED
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Node:
+    """A coordinator, the hop that keeps what the relay sends it, and the node's relay."""
+
+    def __init__(self, **relay: object) -> None:
+        self.coordinator = InProcessCoordinator(join_deadline=30, progress_interval=0.2)
+        self.hop = GrpcProxy(self.coordinator.addr)
+        relay.setdefault("local_ranks", 4)
+        self.relay = InProcessRelay(self.hop.addr, **relay)
+        self.addr = self.relay.addr
+
+    def calls(self) -> list[list[int]]:
+        """The ranks of each group the relay sent upstream, in the order sent."""
+        return [sorted(m.rank for m in members_of(g)) for g in self.hop.groups]
+
+    def stop(self) -> None:
+        self.relay.stop()
+        self.hop.stop()
+        self.coordinator.stop()
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node()
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+def test_a_nodes_ranks_go_up_as_groups_of_local_ranks_and_each_hears_the_verdict(
+    node: Node,
+) -> None:
+    """The node's four ranks (--local-ranks 4) go up as one call as soon as all are in;
+    ranks past them (a fifth process of the job on the node) go at once, each alone."""
+    m = manifest_of()
+    with ThreadPoolExecutor(2) as pool:
+        node_ranks = pool.submit(run_cohort, node.addr, "groups", dict.fromkeys(range(4), m), 6)
+        wait_until("the node's group sent", lambda: node.hop.groups, 20)
+        assert node.calls() == [[0, 1, 2, 3]]
+        assert node.hop.sent() == ["classes"]
+        results = run_cohort(node.addr, "groups", {4: m, 5: m}, world=6) + node_ranks.result()
+    verdict = one_cohort(results, FORMED)
+    assert verdict.init_method == "tcp://127.0.0.1:29999"
+    assert sum(r.manifest_requests for r in results) == 1
+    assert sorted(node.calls()) == [[0, 1, 2, 3], [4], [5]]
+
+
+def test_a_refusal_reaches_every_rank_of_every_group_with_one_report(node: Node) -> None:
+    m = manifest_of()
+    manifests = {r: manifest_of(dtype="bfloat16") if r == 5 else m for r in range(8)}
+    results = run_cohort(node.addr, "refused", manifests)
+    verdict = one_cohort(results, REFUSED)
+    assert {r.verdict.refusal.report for r in results if r.verdict} == {verdict.refusal.report}
+    assert "1 rank [5]" in verdict.refusal.report and "bfloat16" in verdict.refusal.report
+
+
+def test_an_upstream_error_reaches_the_rank_whole(node: Node) -> None:
+    m = manifest_of()
+    result = run_rank(node.addr, join_request("bad", 9, 4, m), m, timeout=10)
+    assert result.error is not None and result.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rank 9 is outside [0, 4)" in (result.error.details() or "")
+
+
+def test_a_group_waits_its_window_for_a_rank_that_never_comes_then_goes(node: Node) -> None:
+    """Three of the node's four ranks: they go up after the window (2 s) without the
+    fourth, which joins later on its own and the job forms."""
+    m = manifest_of()
+    with ThreadPoolExecutor(4) as pool:
+        first = [
+            pool.submit(run_rank, node.addr, join_request("late", r, 4, m), m) for r in range(3)
+        ]
+        wait_until("the three ranks sent", lambda: node.hop.groups, 20)
+        last = pool.submit(run_rank, node.addr, join_request("late", 3, 4, m), m)
+        one_cohort([*(f.result() for f in first), last.result()], FORMED)
+    assert node.calls() == [[0, 1, 2], [3]]
+
+
+def test_a_rank_that_leaves_its_group_is_dropped_and_can_come_back(node: Node) -> None:
+    m = manifest_of()
+    channel = grpc.insecure_channel(node.addr)
+    gone = pb_grpc.CohortServiceStub(channel).Join(join_request("back", 1, 3, m), timeout=30)
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(run_rank, node.addr, join_request("back", 0, 3, m), m)
+        assert next(gone).WhichOneof("event") in ("manifest_request", "progress")
+        gone.cancel()  # the relay re-joins rank 0 alone
+        time.sleep(0.5)
+        rest = [pool.submit(run_rank, node.addr, join_request("back", r, 3, m), m) for r in (1, 2)]
+        results = [first.result(), *(f.result() for f in rest)]
+    channel.close()
+    one_cohort(results, FORMED)
+
+
+def test_a_group_is_cut_before_it_outgrows_the_message_limit() -> None:
+    """Four ranks whose joins are each over a third of the relay's limit: no group of
+    more than two goes up, and every rank forms."""
+    m = manifest_of()
+    config = pb.Fingerprint(fields={f"layer.{i}.width": f'"{i}"' for i in range(400)})
+    size = join_request("cut", 0, 4, m, config=config).ByteSize()
+    n = Node(max_message_bytes=int(size * 2.5))
+    try:
+        results = run_cohort(n.addr, "cut", dict.fromkeys(range(4), m), config=config)
+        one_cohort(results, FORMED)
+        calls = n.calls()
+        assert sorted(r for c in calls for r in c) == [0, 1, 2, 3], calls
+        assert max(len(c) for c in calls) == 2, calls
+    finally:
+        n.stop()
+
+
+def test_a_rack_relay_takes_node_relays_groups_as_one_call() -> None:
+    """Two node relays of two ranks each under a rack relay of four: the coordinator gets
+    one call of four ranks."""
+    rack = Node(local_ranks=4)
+    nodes = [InProcessRelay(rack.addr, local_ranks=2) for _ in range(2)]
+    try:
+        m = manifest_of()
+        with ThreadPoolExecutor(4) as pool:
+            futures = [
+                pool.submit(run_rank, nodes[r // 2].addr, join_request("rack", r, 4, m), m)
+                for r in range(4)
+            ]
+            results = [f.result() for f in futures]
+        one_cohort(results, FORMED)
+        assert rack.calls() == [[0, 1, 2, 3]]
+    finally:
+        for n in nodes:
+            n.stop()
+        rack.stop()
+
+
+def test_a_rank_that_joins_again_sends_its_old_group_at_once_and_starts_the_next(
+    node: Node,
+) -> None:
+    """A restarted process of rank 1 (another pid and incarnation) while the group of its
+    old process waits: that group goes up as it is, at once, and the new process joins the
+    next one; once the old call is gone the job forms with the new process."""
+    from tests.helpers import joined
+
+    m = manifest_of()
+    channel = grpc.insecure_channel(node.addr)
+    old = pb_grpc.CohortServiceStub(channel).Join(
+        join_request("again", 1, 4, m, incarnation="old", pid=7), timeout=30
+    )
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            new = pool.submit(run_rank, node.addr, join_request("again", 1, 4, m), m)
+            wait_until("the old process's group sent", lambda: node.hop.groups, 1.5)
+            assert node.calls() == [[1]]  # well within the 2 s window: sent for the new one
+            old.cancel()
+            wait_until(
+                "the old process gone", lambda: joined(node.coordinator.addr, "again") == 0, 20
+            )
+            rest = [
+                pool.submit(run_rank, node.addr, join_request("again", r, 4, m), m)
+                for r in (0, 2, 3)
+            ]
+            one_cohort([new.result(), *(f.result() for f in rest)], FORMED)
+        assert sorted(r for c in node.calls()[1:] for r in c) == [0, 1, 2, 3], node.calls()
+    finally:
+        old.cancel()
+        channel.close()
