@@ -88,6 +88,7 @@ class InProcessCoordinator:
         self.running: RunningServer = run_async(start(self.config), timeout=30)
         self.addr = f"127.0.0.1:{self.running.port}"
         self.metrics_url = f"http://127.0.0.1:{self.running.metrics_port}"
+        self._stopped = False
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run fn(*args) on the server's loop (for reading its state safely)."""
@@ -98,7 +99,10 @@ class InProcessCoordinator:
         return run_async(run(), timeout=10)
 
     def stop(self) -> None:
-        run_async(self.running.stop(0.5), timeout=30)
+        """Stops it (once: a test that stopped it on purpose leaves its fixture's stop)."""
+        if not self._stopped:
+            self._stopped = True
+            run_async(self.running.stop(0.5), timeout=30)
 
 
 def wait_until(what: str, condition: Callable[[], object], within: float) -> float:

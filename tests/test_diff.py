@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -128,3 +129,34 @@ def test_to_dict_is_json_ready() -> None:
     data = json.loads(json.dumps(d.to_dict()))
     assert data["first_difference"]["position"] == 6
     assert [c["name"] for c in data["shape_changed"]] == ["fc1.weight", "fc1.bias", "fc2.weight"]
+
+
+def _entries(*names: str) -> Manifest:
+    return Manifest.of(Entry(Kind.PARAMETER, n, "float32", (2,), True) for n in names)
+
+
+@pytest.mark.parametrize(
+    ("reference", "other"),
+    [
+        (("a", "b", "c"), ("a", "b", "c")),  # no first difference
+        (("a", "b", "c"), ("a", "c", "b")),  # the order changed
+        (("a", "b"), ("a", "b", "c")),  # past the reference's end: no reference entry
+        (("a", "b", "c"), ("a", "b")),  # past the other's end: no other entry
+    ],
+    ids=["same", "order", "added", "removed"],
+)
+def test_a_diff_is_stored_and_read_back_whole(
+    reference: tuple[str, ...], other: tuple[str, ...]
+) -> None:
+    """What the history keeps of a refusal's diff (its JSON) reads back as the same diff."""
+    import json
+
+    from cohortgate.coordinator.contract.diff import ManifestDiff
+
+    d = cohortgate.diff(_entries(*reference), _entries(*other))
+    assert ManifestDiff.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    if reference == ("a", "b", "c") and other == ("a", "c", "b"):
+        # the first displaced position of each namespace
+        assert d.to_dict()["order_changed"] == [
+            {"kind": "parameter", "position": 1, "reference_name": "b", "other_name": "c"}
+        ]

@@ -5,12 +5,14 @@ purpose, never by accident."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from cohortgate.agent.digest import tensor_digest
 from cohortgate.agent.signature import manifest
-from cohortgate.coordinator.contract.digests import combine
+from cohortgate.coordinator.contract.digests import combine, combine_uploaded, differing
+from cohortgate.coordinator.contract.errors import InvalidArgument
 from cohortgate.coordinator.contract.fingerprint import config_fields, digest, fields_of
 from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 
@@ -88,3 +90,39 @@ def test_a_tokenizer_fingerprint_is_pinned() -> None:
     assert tokenizer_fingerprint(tok) == (
         "sha256:543f6a5141633b13f896928ce60664b7b5d2be216bb8d764a84a2cf9364e54e0"
     )
+
+
+def test_uploaded_digests_combine_as_the_agents_and_a_bad_upload_is_named() -> None:
+    """What the coordinator combines from an upload is what the agent combined: the pinned
+    value above; a digest of another size, and counts that do not pair, are refused."""
+    names, digests = ["a", "b"], [b"\0" * 32, b"\1" * 32]
+    assert combine_uploaded(iter(names), digests) == combine(zip(names, digests, strict=True))
+    assert combine_uploaded(names, digests).hex() == (
+        "43cf0f6c5e3e316557975391ed86456da73482887df34079d4a406532032e754"
+    )
+    with pytest.raises(InvalidArgument) as raised:
+        combine_uploaded(names, [b"\0" * 32, b"\1" * 31])
+    assert str(raised.value) == "digests[1] is 31 bytes; each digest is 32"
+    with pytest.raises(ValueError, match="zip"):
+        combine_uploaded(["a"], digests)  # never a prefix of the upload
+    assert differing(names, digests, [b"\0" * 32, b"\2" * 32]) == ["b"]
+    with pytest.raises(ValueError, match="zip"):
+        differing(names, digests, digests[:1])
+
+
+def test_a_layout_config_fingerprint_is_pinned() -> None:
+    """Sorted keys, compact JSON, metadata keys left out, other values by their text."""
+    import decimal
+    import hashlib
+
+    from cohortgate.coordinator.contract.layout import config_fingerprint
+
+    config = {"b": 1, "a": [1, 2], "_name_or_path": "x", "lr": decimal.Decimal("1.5")}
+    assert config_fingerprint(config) == hashlib.sha256(b'{"a":[1,2],"b":1,"lr":"1.5"}').hexdigest()
+
+
+def test_an_fsdp_flat_shard_is_one_piece_of_the_padded_flat_tensor() -> None:
+    from cohortgate.coordinator.contract.layout import LayoutBuilder, ShardPiece
+
+    built = LayoutBuilder({}, {}).flat("w", 10, 6, 6, padding=2).flat("v", 4, 0, 4).build()
+    assert built.pieces == (ShardPiece("w", (12,), (6,), (6,)), ShardPiece("v", (4,), (0,), (4,)))

@@ -127,6 +127,9 @@ def test_invalid_manifests_are_refused_with_the_reason(entries: list[Entry], mes
 def test_from_dict_refuses_other_formats_and_garbage() -> None:
     with pytest.raises(ManifestError, match="format 99"):
         Manifest.from_dict({"format": 99, "entries": []})
+    with pytest.raises(ManifestError) as raised:
+        Manifest.from_dict({"format": MANIFEST_FORMAT_VERSION})
+    assert str(raised.value) == "manifest has no 'entries' list"
     with pytest.raises(ManifestError, match="malformed manifest entry"):
         Manifest.from_dict({"format": MANIFEST_FORMAT_VERSION, "entries": [{"kind": "param"}]})
     with pytest.raises(ManifestError, match="must hold integers"):

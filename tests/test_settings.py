@@ -428,3 +428,13 @@ def test_the_servers_tls_has_its_own_variables_and_the_old_ones_still_work_with_
     flags = {"tls_cert": cert, "tls_key": key}
     serve = from_env_and_flags(ServeConfig, flags, old, warn=said.append)
     assert (serve.tls.cert, said) == (Path(cert), [])
+
+
+def test_a_tls_file_that_cannot_be_read_is_named_with_its_variable_in_process() -> None:
+    """The same words as the subprocess tests above, from both channel kinds (agents use
+    the blocking one, relays the asyncio one), before anything connects."""
+    security = ClientSecurity(tls=True, ca=Path("/missing/ca.pem"))
+    for make in (security.channel, security.aio_channel):
+        with pytest.raises(SettingError) as raised:
+            make("127.0.0.1:1")
+        assert str(raised.value) == "COHORTGATE_TLS_CA=/missing/ca.pem: No such file or directory"

@@ -1,0 +1,143 @@
+"""Replicas on a real etcd, in the test process (test_ha.py runs them as the processes users
+start; here a mutation run sees the replica's code): a standby names the leader to every
+join and audit, with readiness and the leader metric to match; the standby takes over when
+the leader stops; a replica that cannot reach etcd says that no replica leads, and leads
+once etcd is back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.codec.leader import LEADER_KEY
+from tests.etcd import EtcdServer, etcd_server
+from tests.etcd import prefix as etcd_prefix
+from tests.ha import SERVICE
+from tests.helpers import (
+    InProcessCoordinator,
+    join_request,
+    manifest_of,
+    metric_total,
+    one_cohort,
+    run_cohort,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(90)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+TTL = 2
+
+
+def replica(endpoint: str, key_prefix: str) -> InProcessCoordinator:
+    return InProcessCoordinator(etcd=endpoint, etcd_prefix=key_prefix, leader_ttl=TTL)
+
+
+def health(c: InProcessCoordinator, service: str = SERVICE) -> int:
+    with grpc.insecure_channel(c.addr) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+    return int(reply.status)
+
+
+def leading(group: list[InProcessCoordinator]) -> list[InProcessCoordinator]:
+    return [c for c in group if health(c) == SERVING]
+
+
+def refused_join(addr: str) -> grpc.RpcError:
+    with grpc.insecure_channel(addr) as channel, pytest.raises(grpc.RpcError) as refused:
+        list(
+            pb_grpc.CohortServiceStub(channel).Join(
+                join_request("j", 0, 2, manifest_of()), timeout=5
+            )
+        )
+    return refused.value
+
+
+@pytest.fixture
+def pair(etcd: EtcdServer) -> Iterator[tuple[InProcessCoordinator, InProcessCoordinator]]:
+    """Two replicas on one key prefix, (the leader, the standby)."""
+    key_prefix = etcd_prefix()
+    group = [replica(etcd.endpoint, key_prefix), replica(etcd.endpoint, key_prefix)]
+    try:
+        wait_until("one replica leads", lambda: len(leading(group)) == 1, 30)
+        (leader,) = leading(group)
+        yield leader, next(c for c in group if c is not leader)
+    finally:
+        for c in group:
+            c.stop()
+
+
+def test_a_standby_names_the_leader_to_joins_and_audits_and_the_leader_forms_jobs(
+    pair: tuple[InProcessCoordinator, InProcessCoordinator],
+) -> None:
+    leader, standby = pair
+    assert (health(standby, ""), health(standby)) == (SERVING, NOT_SERVING)  # alive, not ready
+    refused = refused_join(standby.addr)
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.details() == (
+        f"this coordinator is a standby; the leader is at {leader.addr} (the agent follows "
+        "it; give agents every replica in COHORTGATE_ADDR=a:7070,b:7070)"
+    )
+    assert dict(refused.trailing_metadata() or ())[LEADER_KEY] == leader.addr
+    m = manifest_of()
+    formed = one_cohort(run_cohort(leader.addr, "led", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+    audit = pb.RankAudit(
+        cohort_id=formed.cohort_id,
+        job_id="led",
+        round=formed.round,
+        rank=0,
+        world_size=2,
+        step=1,
+        digest=b"\x01" * 32,
+        digest_format=2,
+    )
+    with grpc.insecure_channel(standby.addr) as channel, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.CohortServiceStub(channel).Audit(pb.AuditRequest(audits=[audit]), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert dict(caught.value.trailing_metadata() or ())[LEADER_KEY] == leader.addr
+    assert metric_total(leader.metrics_url, "cohortgate_leader") == 1.0
+    assert metric_total(standby.metrics_url, "cohortgate_leader") == 0.0
+    assert metric_total(leader.metrics_url, "cohortgate_leader_takeovers_total") == 1.0
+
+
+def test_the_standby_leads_once_the_leader_stops_and_forms_the_next_job(
+    pair: tuple[InProcessCoordinator, InProcessCoordinator],
+) -> None:
+    leader, standby = pair
+    leader.stop()  # steps down (resigns its lease) as it stops
+    wait_until("the standby leads", lambda: health(standby) == SERVING, TTL + 3)
+    m = manifest_of()
+    one_cohort(run_cohort(standby.addr, "next", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+    assert metric_total(standby.metrics_url, "cohortgate_leader") == 1.0
+    assert metric_total(standby.metrics_url, "cohortgate_leader_takeovers_total") == 1.0
+
+
+def test_a_replica_without_etcd_says_no_replica_leads_and_leads_once_etcd_is_back(
+    tmp_path: Path,
+) -> None:
+    with etcd_server(tmp_path) as etcd:
+        etcd.kill()
+        c = replica(etcd.endpoint, etcd_prefix())
+        try:
+            refused = refused_join(c.addr)
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+            details = refused.details() or ""
+            assert details.startswith("this coordinator is a standby and no replica leads now ("), (
+                details
+            )
+            assert details.endswith("); retry"), details
+            assert LEADER_KEY not in dict(refused.trailing_metadata() or ())
+            etcd.start()
+            wait_until("it leads", lambda: health(c) == SERVING, 30)
+            m = manifest_of()
+            one_cohort(run_cohort(c.addr, "back", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+        finally:
+            c.stop()
