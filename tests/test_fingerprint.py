@@ -91,3 +91,16 @@ def test_a_fingerprint_past_a_bound_is_refused_naming_it(
     with pytest.raises(error) as raised:
         check_fields("config", items, limit=10)
     assert str(raised.value) == said
+
+
+def test_a_value_is_its_compact_sorted_json_up_to_max_value_then_its_sha256() -> None:
+    import decimal
+    import hashlib
+
+    from cohortgate.coordinator.contract.fingerprint import canonical
+
+    assert canonical({"b": [1, 2], "a": decimal.Decimal("1.5")}) == '{"a":"1.5","b":[1,2]}'
+    at = "x" * (MAX_VALUE - 2)  # with its quotes, MAX_VALUE characters: kept
+    assert canonical(at) == f'"{at}"'
+    past = at + "x"
+    assert canonical(past) == "sha256:" + hashlib.sha256(f'"{past}"'.encode()).hexdigest()

@@ -148,3 +148,13 @@ def test_coordinator_manifest_does_not_import_torch() -> None:
         "print('torch' in sys.modules)"
     )
     assert python_c(code) == "False"
+
+
+def test_an_entry_is_described_with_what_sets_it_apart_and_stored_whole() -> None:
+    frozen = Entry(Kind.PARAMETER, "w", "float32", (2, 3), False, strides=(1, 2))
+    assert frozen.describe() == "'w' float32[2, 3] (frozen, strides [1, 2])"
+    assert frozen.to_dict()["strides"] == [1, 2]
+    assert Entry.from_dict(frozen.to_dict()) == frozen
+    tied = Entry(Kind.PARAMETER, "h", "float32", (2, 3), True, alias_of="w")
+    assert tied.describe(with_name=False) == "float32[2, 3] (tied to 'w')"
+    assert "strides" not in tied.to_dict()
