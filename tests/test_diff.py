@@ -120,6 +120,14 @@ def test_lists_are_capped() -> None:
     assert len(d.dtype_changed) == 50
     assert f"and {50 - LIST_CAP} more" in text
     assert text.count("-> float16[2]") == LIST_CAP
+    # as a verdict stores it: LIST_CAP of each list, the counts kept, read back the same
+    import json
+
+    from cohortgate.coordinator.contract.diff import ManifestDiff
+
+    kept = ManifestDiff.from_dict(json.loads(json.dumps(d.capped().to_dict())))
+    assert len(kept.dtype_changed) == LIST_CAP and kept.count("dtype_changed") == 50
+    assert str(kept) == text
 
 
 def test_to_dict_is_json_ready() -> None:
