@@ -438,3 +438,21 @@ def test_a_tls_file_that_cannot_be_read_is_named_with_its_variable_in_process() 
         with pytest.raises(SettingError) as raised:
             make("127.0.0.1:1")
         assert str(raised.value) == "COHORTGATE_TLS_CA=/missing/ca.pem: No such file or directory"
+
+
+def test_seconds_from_the_environment_take_any_positive_value_and_name_a_bad_one() -> None:
+    assert env_seconds("COHORTGATE_T", 5, {"COHORTGATE_T": "0.5"}) == 0.5  # under a second
+    with pytest.raises(SettingError) as raised:
+        env_seconds("COHORTGATE_T", 5, {"COHORTGATE_T": "y" * 100})
+    assert str(raised.value) == (
+        f"COHORTGATE_T={'y' * 40!r} is not a number; give seconds, e.g. COHORTGATE_T=5"
+    )
+    with pytest.raises(SettingError) as raised:
+        env_seconds("COHORTGATE_T", 5, {"COHORTGATE_T": "-" + "9" * 100})
+    assert str(raised.value).startswith(f"COHORTGATE_T=-{'9' * 39} must be a finite number")
+
+
+def test_a_token_with_a_bad_character_names_the_first() -> None:
+    with pytest.raises(SettingError) as raised:
+        token_text("COHORTGATE_TOKEN", "ab\tcd\tef")
+    assert "('\\t' at position 2)" in str(raised.value)
