@@ -456,3 +456,21 @@ def test_a_token_with_a_bad_character_names_the_first() -> None:
     with pytest.raises(SettingError) as raised:
         token_text("COHORTGATE_TOKEN", "ab\tcd\tef")
     assert "('\\t' at position 2)" in str(raised.value)
+
+
+def test_a_client_certificate_is_read_from_the_environment_and_a_missing_file_named(
+    tmp_path: Path,
+) -> None:
+    cert, key = tmp_path / "rank.pem", tmp_path / "rank.key"
+    cert.write_text("cert")
+    key.write_text("key")
+    env = {"COHORTGATE_TLS_CERT": str(cert), "COHORTGATE_TLS_KEY": str(key)}
+    security = ClientSecurity.from_env(env)
+    assert (security.tls, security.cert, security.key, security.ca) == (True, cert, key, None)
+    for name in ("COHORTGATE_TLS_CA", "COHORTGATE_TLS_CERT", "COHORTGATE_TLS_KEY"):
+        with pytest.raises(SettingError) as raised:
+            ClientSecurity.from_env({**env, name: "/missing.pem"})
+        assert str(raised.value) == (
+            f"{name}=/missing.pem: no such file; give a PEM file readable here (or unset the "
+            "variable)"
+        )
