@@ -15,13 +15,20 @@ from tests.helpers import run_async
 
 class InProcessRelay:
     """`cohortgate relay --upstream UPSTREAM --listen 127.0.0.1:0` with `settings` (Relay's
-    keyword arguments: window_s, local_ranks, max_message_bytes, rank_grace_s, poll)."""
+    keyword arguments: window_s, local_ranks, max_message_bytes, rank_grace_s, poll);
+    `security`: how it reaches its upstream (COHORTGATE_TLS_*), `tls`: its own port's."""
 
-    def __init__(self, upstream: str, **settings: Any) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        security: ClientSecurity | None = None,
+        tls: ServerTLS | None = None,
+        **settings: Any,
+    ) -> None:
         async def started() -> tuple[Relay, Any, int]:
-            relay = Relay(upstream, ClientSecurity(), **settings)
+            relay = Relay(upstream, security or ClientSecurity(), **settings)
             server, _, port = await start_server(
-                relay, "127.0.0.1:0", relay.max_message_bytes, ServerTLS()
+                relay, "127.0.0.1:0", relay.max_message_bytes, tls or ServerTLS()
             )
             return relay, server, port
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -196,3 +197,33 @@ def test_a_rank_that_joins_again_sends_its_old_group_at_once_and_starts_the_next
     finally:
         old.cancel()
         channel.close()
+
+
+def test_a_relay_speaks_tls_both_ways_and_presents_its_certificate_upstream(pki: Path) -> None:
+    """A coordinator that takes only clients with certificates (mutual TLS), a relay that
+    presents one upstream and serves its ranks over TLS: the job forms through it."""
+    from cohortgate.coordinator.codec.channel import ClientSecurity
+    from cohortgate.coordinator.edge.exposure import ServerTLS
+
+    server = {"tls_cert": pki / "server.pem", "tls_key": pki / "server.key"}
+    coordinator = InProcessCoordinator(tls_client_ca=pki / "ca.pem", **server)
+    client = ClientSecurity(
+        tls=True, ca=pki / "ca.pem", cert=pki / "client.pem", key=pki / "client.key"
+    )
+    relay = InProcessRelay(
+        coordinator.addr, client, ServerTLS(server["tls_cert"], server["tls_key"]), local_ranks=2
+    )
+    try:
+        m = manifest_of()
+        ranks = ClientSecurity(tls=True, ca=pki / "ca.pem")
+        with ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(
+                    run_rank, relay.addr, join_request("tls", r, 2, m), m, 30.0, None, ranks
+                )
+                for r in range(2)
+            ]
+            one_cohort([f.result() for f in futures], FORMED)
+    finally:
+        relay.stop()
+        coordinator.stop()
