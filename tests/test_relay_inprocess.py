@@ -39,11 +39,11 @@ pytestmark = pytest.mark.timeout(90)
 class Node:
     """A coordinator, the hop that keeps what the relay sends it, and the node's relay."""
 
-    def __init__(self, **relay: object) -> None:
+    def __init__(self, local_ranks: int = 4, max_message_bytes: int | None = None) -> None:
         self.coordinator = InProcessCoordinator(join_deadline=30, progress_interval=0.2)
         self.hop = GrpcProxy(self.coordinator.addr)
-        relay.setdefault("local_ranks", 4)
-        self.relay = InProcessRelay(self.hop.addr, **relay)
+        limit = {"max_message_bytes": max_message_bytes} if max_message_bytes else {}
+        self.relay = InProcessRelay(self.hop.addr, local_ranks=local_ranks, **limit)
         self.addr = self.relay.addr
 
     def calls(self) -> list[list[int]]:
