@@ -18,6 +18,7 @@ import pytest
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec.groups import members_of
+from cohortgate.coordinator.contract.limits import Limits
 from tests.grpc_proxy import GrpcProxy
 from tests.helpers import (
     InProcessCoordinator,
@@ -39,11 +40,14 @@ pytestmark = pytest.mark.timeout(90)
 class Node:
     """A coordinator, the hop that keeps what the relay sends it, and the node's relay."""
 
-    def __init__(self, local_ranks: int = 4, max_message_bytes: int | None = None) -> None:
+    def __init__(
+        self, local_ranks: int = 4, max_message_bytes: int = Limits.max_message_bytes
+    ) -> None:
         self.coordinator = InProcessCoordinator(join_deadline=30, progress_interval=0.2)
         self.hop = GrpcProxy(self.coordinator.addr)
-        limit = {"max_message_bytes": max_message_bytes} if max_message_bytes else {}
-        self.relay = InProcessRelay(self.hop.addr, local_ranks=local_ranks, **limit)
+        self.relay = InProcessRelay(
+            self.hop.addr, local_ranks=local_ranks, max_message_bytes=max_message_bytes
+        )
         self.addr = self.relay.addr
 
     def calls(self) -> list[list[int]]:
