@@ -74,11 +74,17 @@ class GrpcProxy:
             call = self.channel.unary_stream(path)(
                 self._up(name, data), metadata=_metadata(context)
             )
+            # A caller that goes away ends the call upstream too, as a real hop's closed
+            # connection does (grpc.aio does not always cancel this handler; the context's
+            # done callback always runs): else the coordinator holds the caller's ranks.
+            context.add_done_callback(lambda _: call.cancel())
             try:
                 async for reply in call:
                     yield reply
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), exc.details() or "")
+            finally:
+                call.cancel()
 
         return stream_out
 
