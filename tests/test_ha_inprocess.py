@@ -69,7 +69,18 @@ def pair(etcd: EtcdServer) -> Iterator[tuple[InProcessCoordinator, InProcessCoor
     try:
         wait_until("one replica leads", lambda: len(leading(group)) == 1, 30)
         (leader,) = leading(group)
-        yield leader, next(c for c in group if c is not leader)
+        standby = next(c for c in group if c is not leader)
+        # the standby reads who leads from etcd a moment after the leader won: until then
+        # it says a failover is under way (the test below asserts the words once it knows)
+        wait_until(
+            "the standby knows the leader",
+            lambda: (
+                dict(refused_join(standby.addr).trailing_metadata() or ()).get(LEADER_KEY)
+                == leader.addr
+            ),
+            10,
+        )
+        yield leader, standby
     finally:
         for c in group:
             c.stop()
