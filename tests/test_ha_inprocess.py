@@ -61,6 +61,21 @@ def refused_join(addr: str) -> grpc.RpcError:
     return refused.value
 
 
+def refuses(addr: str) -> bool:
+    """Whether a join is refused as by a standby now (a leader holds it: its deadline ends
+    the call here instead)."""
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            list(
+                pb_grpc.CohortServiceStub(channel).Join(
+                    join_request("probe", 0, 2, manifest_of()), timeout=0.5
+                )
+            )
+        except grpc.RpcError as exc:
+            return bool(exc.code() == grpc.StatusCode.UNAVAILABLE)
+    return False
+
+
 @pytest.fixture
 def pair(etcd: EtcdServer) -> Iterator[tuple[InProcessCoordinator, InProcessCoordinator]]:
     """Two replicas on one key prefix, (the leader, the standby)."""
@@ -150,5 +165,29 @@ def test_a_replica_without_etcd_says_no_replica_leads_and_leads_once_etcd_is_bac
             wait_until("it leads", lambda: health(c) == SERVING, 30)
             m = manifest_of()
             one_cohort(run_cohort(c.addr, "back", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+        finally:
+            c.stop()
+
+
+def test_a_leader_that_cannot_renew_its_lease_stops_admitting_by_its_own_clock(
+    tmp_path: Path,
+) -> None:
+    """etcd hung (SIGSTOP): the leader's renewals go unanswered, and once its lease may have
+    expired by its own clock it refuses joins before any etcd call fails (another replica may
+    lead by then); with etcd back its lease is renewed and it admits again."""
+    with etcd_server(tmp_path) as etcd:
+        c = replica(etcd.endpoint, etcd_prefix())
+        try:
+            wait_until("it leads", lambda: health(c) == SERVING, 30)
+            etcd.pause()
+            try:
+                wait_until("it refuses joins", lambda: refuses(c.addr), TTL + 3)
+                refused = refused_join(c.addr)
+            finally:
+                etcd.resume()
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no replica leads now" in (refused.details() or ""), refused.details()
+            # etcd's lease clock stopped with it: the next renewal holds, no step-down
+            wait_until("it admits again", lambda: not refuses(c.addr), 30)
         finally:
             c.stop()
