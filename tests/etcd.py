@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +16,17 @@ from pathlib import Path
 
 from tests.helpers import free_port
 from tests.launches import freeze, kill_group, program
+
+# etcd is started through this: a process with no threads of its own asks the kernel for
+# SIGKILL when the test thread that started it ends (PR_SET_PDEATHSIG, kept across exec),
+# then becomes etcd. A test process killed outright (a timeout's SIGKILL, a mutation run
+# stopping its workers) never runs the fixture's teardown: its etcd went on running.
+DIE_WITH_PARENT = (
+    sys.executable,
+    "-c",
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
 
 
 class EtcdServer:
@@ -43,6 +55,7 @@ class EtcdServer:
             ]
         name = "cg-test"
         command = [
+            *DIE_WITH_PARENT,
             program("etcd"),
             "--name",
             name,

@@ -161,3 +161,49 @@ def test_a_record_larger_than_one_etcd_request_is_stored_in_parts_and_read_back(
         assert again.verdict_of("big", members[29_999]) == verdict
     finally:
         thread.close()
+
+
+KILLED_HOLDER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from tests.etcd import EtcdServer
+server = EtcdServer(Path({data!r})).start()
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_etcd_dies_with_the_test_process_that_started_it(tmp_path: Path) -> None:
+    """A test process killed outright runs no teardown: its etcd must not live on."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", KILLED_HOLDER.format(repo=str(REPO), data=str(tmp_path / "e"))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    pid = int(holder.stdout.readline())
+    os.kill(pid, 0)  # etcd runs
+    holder.kill()
+    holder.wait(10)
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie of the init process (it was reparented there) is gone too
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1].startswith("Z")
+
+    deadline = time.monotonic() + 10
+    while not gone():
+        assert time.monotonic() < deadline, f"etcd {pid} outlived the process that started it"
+        time.sleep(0.05)
