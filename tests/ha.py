@@ -23,6 +23,17 @@ from tests.launches import TRAIN, coordinator_process, freeze, launch, launch_en
 SERVICE = "cohortgate.v1.CohortService"
 
 
+def health(addr: str, service: str = SERVICE) -> int:
+    """The gRPC health status of `service` at `addr` (-1: no answer)."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+        except grpc.RpcError:
+            return -1
+        return int(reply.status)
+
+
 @dataclass
 class Replica:
     addr: str
@@ -31,13 +42,7 @@ class Replica:
 
     def health(self, service: str = SERVICE) -> int:
         """The gRPC health status of `service` (-1: no answer)."""
-        with grpc.insecure_channel(self.addr) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-            except grpc.RpcError:
-                return -1
-            return int(reply.status)
+        return health(self.addr, service)
 
     @property
     def leading(self) -> bool:

@@ -11,20 +11,21 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec.leader import LEADER_KEY
 from tests.etcd import EtcdServer, etcd_server
 from tests.etcd import prefix as etcd_prefix
-from tests.ha import SERVICE
+from tests.ha import health
 from tests.helpers import (
     InProcessCoordinator,
     join_request,
     manifest_of,
     metric_total,
     one_cohort,
+    rank_audit,
     run_cohort,
     wait_until,
 )
@@ -39,41 +40,24 @@ def replica(endpoint: str, key_prefix: str) -> InProcessCoordinator:
     return InProcessCoordinator(etcd=endpoint, etcd_prefix=key_prefix, leader_ttl=TTL)
 
 
-def health(c: InProcessCoordinator, service: str = SERVICE) -> int:
-    with grpc.insecure_channel(c.addr) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5
-        )
-    return int(reply.status)
-
-
 def leading(group: list[InProcessCoordinator]) -> list[InProcessCoordinator]:
-    return [c for c in group if health(c) == SERVING]
+    return [c for c in group if health(c.addr) == SERVING]
 
 
-def refused_join(addr: str) -> grpc.RpcError:
+def refused_join(addr: str, timeout: float = 5.0) -> grpc.RpcError:
+    """A join's error: a standby's refusal, or from a leader (which holds it) its deadline."""
     with grpc.insecure_channel(addr) as channel, pytest.raises(grpc.RpcError) as refused:
         list(
             pb_grpc.CohortServiceStub(channel).Join(
-                join_request("j", 0, 2, manifest_of()), timeout=5
+                join_request("j", 0, 2, manifest_of()), timeout=timeout
             )
         )
     return refused.value
 
 
 def refuses(addr: str) -> bool:
-    """Whether a join is refused as by a standby now (a leader holds it: its deadline ends
-    the call here instead)."""
-    with grpc.insecure_channel(addr) as channel:
-        try:
-            list(
-                pb_grpc.CohortServiceStub(channel).Join(
-                    join_request("probe", 0, 2, manifest_of()), timeout=0.5
-                )
-            )
-        except grpc.RpcError as exc:
-            return bool(exc.code() == grpc.StatusCode.UNAVAILABLE)
-    return False
+    """Whether a join is refused as by a standby now."""
+    return bool(refused_join(addr, timeout=0.5).code() == grpc.StatusCode.UNAVAILABLE)
 
 
 @pytest.fixture
@@ -105,7 +89,10 @@ def test_a_standby_names_the_leader_to_joins_and_audits_and_the_leader_forms_job
     pair: tuple[InProcessCoordinator, InProcessCoordinator],
 ) -> None:
     leader, standby = pair
-    assert (health(standby, ""), health(standby)) == (SERVING, NOT_SERVING)  # alive, not ready
+    assert (health(standby.addr, ""), health(standby.addr)) == (
+        SERVING,
+        NOT_SERVING,
+    )  # alive, not ready
     refused = refused_join(standby.addr)
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert refused.details() == (
@@ -115,16 +102,7 @@ def test_a_standby_names_the_leader_to_joins_and_audits_and_the_leader_forms_job
     assert dict(refused.trailing_metadata() or ())[LEADER_KEY] == leader.addr
     m = manifest_of()
     formed = one_cohort(run_cohort(leader.addr, "led", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
-    audit = pb.RankAudit(
-        cohort_id=formed.cohort_id,
-        job_id="led",
-        round=formed.round,
-        rank=0,
-        world_size=2,
-        step=1,
-        digest=b"\x01" * 32,
-        digest_format=2,
-    )
+    audit = rank_audit(formed, 0, 1)
     with grpc.insecure_channel(standby.addr) as channel, pytest.raises(grpc.RpcError) as caught:
         pb_grpc.CohortServiceStub(channel).Audit(pb.AuditRequest(audits=[audit]), timeout=5)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -139,7 +117,7 @@ def test_the_standby_leads_once_the_leader_stops_and_forms_the_next_job(
 ) -> None:
     leader, standby = pair
     leader.stop()  # steps down (resigns its lease) as it stops
-    wait_until("the standby leads", lambda: health(standby) == SERVING, TTL + 3)
+    wait_until("the standby leads", lambda: health(standby.addr) == SERVING, TTL + 3)
     m = manifest_of()
     one_cohort(run_cohort(standby.addr, "next", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
     assert metric_total(standby.metrics_url, "cohortgate_leader") == 1.0
@@ -162,7 +140,7 @@ def test_a_replica_without_etcd_says_no_replica_leads_and_leads_once_etcd_is_bac
             assert details.endswith("); retry"), details
             assert LEADER_KEY not in dict(refused.trailing_metadata() or ())
             etcd.start()
-            wait_until("it leads", lambda: health(c) == SERVING, 30)
+            wait_until("it leads", lambda: health(c.addr) == SERVING, 30)
             m = manifest_of()
             one_cohort(run_cohort(c.addr, "back", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
         finally:
@@ -178,7 +156,7 @@ def test_a_leader_that_cannot_renew_its_lease_stops_admitting_by_its_own_clock(
     with etcd_server(tmp_path) as etcd:
         c = replica(etcd.endpoint, etcd_prefix())
         try:
-            wait_until("it leads", lambda: health(c) == SERVING, 30)
+            wait_until("it leads", lambda: health(c.addr) == SERVING, 30)
             etcd.pause()
             try:
                 wait_until("it refuses joins", lambda: refuses(c.addr), TTL + 3)
