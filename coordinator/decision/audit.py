@@ -155,6 +155,14 @@ class CohortAudits:
         if self.pending is not None and now - self.pending.found_at >= TENSORS_WAIT_S:
             self._report(now)
 
+    def due(self, bound_s: float) -> float | None:
+        """When a sweep could next change something if no audit comes before (None: only
+        an audit can)."""
+        times = [min(s.first_at for s in self.steps.values()) + bound_s] if self.steps else []
+        if self.pending is not None:
+            times.append(self.pending.found_at + TENSORS_WAIT_S)
+        return min(times) if times else None
+
     # -- output ----------------------------------------------------------------------------
     def answer(self) -> Answer:
         asked = tuple(sorted(self.pending.asked.items())) if self.pending else ()

@@ -42,6 +42,7 @@ MAX_FRAMES = 32
 SHOWN_FRAMES = 12
 # Groups shown in full in the headline before the rest are counted.
 HEADLINE_GROUPS = 4
+_AFTER = 1e-3  # a bound tested as "within" (inclusive) is looked at just past its end
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,30 @@ class CohortProgress:
                 now - stall.since,
             )
         )
+
+    def due(self, now: float) -> float | None:
+        """When a sweep could next change something if no rank beats before (None: only a
+        beat can; every beat asks again). Never later than the sweep that would act."""
+        if self.level is Level.OFF or not self.ranks:
+            return None
+        stall = self.stall
+        if stall is None:
+            bound = self.bound()
+            if bound is None or any(r.done for r in self.ranks.values()):
+                return None
+            if self.last_seen < self.last_progress + bound or not self._answering(now):
+                return None  # a stall needs a beat past the bound (which asks again)
+            limit = self.pause_limit_s
+            paused = [r.paused_since for r in self.ranks.values() if r.paused]
+            return max(paused) + limit + _AFTER if self.paused(now) else now
+        if stall.told:
+            return None  # until a rank moves (a beat)
+        waiting = [
+            r.seen_at + SILENT_S + _AFTER  # the moment it stops counting as answering
+            for k, r in self.ranks.items()
+            if now - r.seen_at < SILENT_S and k not in stall.snapshots
+        ]
+        return min([stall.asked_at + SNAPSHOT_WAIT_S, *waiting]) if waiting else now
 
     def _answering(self, now: float) -> list[int]:
         """The ranks that beat lately (the rest cannot answer: asked nothing of them)."""

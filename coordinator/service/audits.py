@@ -1,9 +1,9 @@
 """Audits during training, on the event loop: each call adds its ranks' audits to their
-cohort's state (decision/audit.py) and answers at once; a sweep once a second compares the
-steps some rank has not sent within --audit-timeout. Findings are logged, counted and kept
-in the history; a cohort's audit state lives by its id while the job audits (beyond
---job-retention), and a restarted coordinator re-establishes it from the audits themselves
-and from the findings in the history.
+cohort's state (decision/audit.py) and answers at once; a timer (service/sweeper.py)
+compares the steps some rank has not sent within --audit-timeout when their time comes.
+Findings are logged, counted and kept in the history; a cohort's audit state lives by its id
+while the job audits (beyond --job-retention), and a restarted coordinator re-establishes it
+from the audits themselves and from the findings in the history.
 
 Cheap per call: a dict insert per rank, a comparison per step once its last rank is in."""
 
@@ -27,7 +27,8 @@ from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 
-SWEEP_S = 1.0
+SWEEP_S = 1.0  # the upkeep (eviction) at most this far apart
+EVICT_EVERY_S = 10.0
 # A cohort nobody audited for this long is forgotten (its findings stay in the history).
 IDLE_S = 6 * 3600.0
 MAX_AUDITED = 10_000  # cohorts audited at once
@@ -52,7 +53,11 @@ class Audits:
             sized=observer.metrics.audited_cohorts.set,
         )
         self.cohorts = self.watched.cohorts
-        self.sweeper = Sweeper("audit", SWEEP_S, self.sweep, lambda: bool(self.cohorts))
+        self.due = self.watched.due
+        self._evicted_at = clock()
+        self.sweeper = Sweeper(
+            "audit", SWEEP_S, self.sweep, lambda: bool(self.cohorts), self.due, clock
+        )
 
     # -- calls -----------------------------------------------------------------------------
     def submit(self, audits: list[RankAudit]) -> list[Answer]:
@@ -66,8 +71,10 @@ class Audits:
                 c.add(a, now)
         self.observer.metrics.audits.inc(len(audits))
         self.observer.metrics.audit_calls.inc()
+        timeout = self.options.audit_timeout_s
         for c in touched.values():
             self._drain(c)
+            self.due.set(c.cohort_id, c.due(timeout))
         self.sweeper.start()
         return [c.answer() for c in touched.values()]
 
@@ -132,11 +139,18 @@ class Audits:
 
     # -- sweeping --------------------------------------------------------------------------
     def sweep(self) -> None:
-        now = self.clock()
-        for c in list(self.cohorts.values()):
-            c.sweep(now, self.options.audit_timeout_s)
+        """The cohorts whose time came; every EVICT_EVERY_S, those idle too long go."""
+        now, timeout = self.clock(), self.options.audit_timeout_s
+
+        def look(c: CohortAudits) -> float | None:
+            c.sweep(now, timeout)
             self._drain(c)
-        self.watched.evict(now, IDLE_S)
+            return c.due(timeout)
+
+        self.watched.look_due(now, look)
+        if now - self._evicted_at >= EVICT_EVERY_S:
+            self._evicted_at = now
+            self.watched.evict(now, IDLE_S)
 
     def close(self) -> None:
         self.sweeper.close()

@@ -1,8 +1,9 @@
 """Stall detection on the event loop: each Audit call's step marks update their cohort's
-progress (decision/stall.py) and are answered at once; a sweep once a second finds cohorts
-that stopped making progress, asks their ranks for snapshots (in the answers to their next
-beats), and reports the stall once its snapshots are in. Stalls are logged, counted and kept
-in the history (as audit findings of kind "stalled" and "resumed"), shown on the status page.
+progress (decision/stall.py) and are answered at once; a timer (service/sweeper.py) looks at
+a cohort when its rules say a sweep could act: it finds a cohort that stopped making
+progress, asks its ranks for snapshots (in the answers to their next beats), and reports the
+stall once its snapshots are in. Stalls are logged, counted and kept in the history (as audit
+findings of kind "stalled" and "resumed"), shown on the status page.
 
 Cheap per call: a dict update per rank; the report is built once per stall."""
 
@@ -30,7 +31,8 @@ from cohortgate.coordinator.state.base import VerdictStore
 
 log = structlog.get_logger("cohortgate")
 
-SWEEP_S = 1.0
+SWEEP_S = 1.0  # the upkeep (eviction, stragglers) at most this far apart
+EVICT_EVERY_S = 10.0
 # Stragglers are found this often (a pass over every rank of every watched job: at 100k ranks
 # tens of milliseconds, not to be paid on the event loop every second).
 STRAGGLERS_EVERY_S = 10.0
@@ -63,7 +65,11 @@ class Stalls:
         self.cohorts = self.watched.cohorts
         self.stragglers: dict[str, list[Straggler]] = {}  # by cohort id, as last found
         self._stragglers_at = -STRAGGLERS_EVERY_S
-        self.sweeper = Sweeper("stall", SWEEP_S, self.sweep, lambda: bool(self.cohorts))
+        self.due = self.watched.due
+        self._evicted_at = clock()
+        self.sweeper = Sweeper(
+            "stall", SWEEP_S, self.sweep, lambda: bool(self.cohorts), self.due, clock
+        )
 
     def beat(self, beats: list[Beat]) -> dict[str, StallAnswer]:
         """Add the step marks (validated, one job); the answer for each cohort they name."""
@@ -74,8 +80,9 @@ class Stalls:
             touched[b.cohort_id] = c
             c.beat(b, now)
         self.observer.metrics.step_marks.inc(len(beats))
-        for c in touched.values():
+        for k, c in touched.items():
             self._drain(c)
+            self.due.set(k, c.due(now))
         self.sweeper.start()
         return {k: c.answer() for k, c in touched.items()}
 
@@ -126,11 +133,19 @@ class Stalls:
 
     # -- sweeping --------------------------------------------------------------------------
     def sweep(self) -> None:
+        """The cohorts whose time came; every EVICT_EVERY_S, those idle too long go; every
+        STRAGGLERS_EVERY_S, the stragglers of every cohort are found again."""
         now = self.clock()
-        for c in list(self.cohorts.values()):
+
+        def look(c: CohortProgress) -> float | None:
             c.sweep(now)
             self._drain(c)
-        self.watched.evict(now, IDLE_S)
+            return c.due(now)
+
+        self.watched.look_due(now, look)
+        if now - self._evicted_at >= EVICT_EVERY_S:
+            self._evicted_at = now
+            self.watched.evict(now, IDLE_S)
         if now - self._stragglers_at >= STRAGGLERS_EVERY_S:
             self._stragglers_at = now
             ratio = self.options.straggler_ratio

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from cohortgate.coordinator.contract.errors import FailedPrecondition, LimitExceeded
+from cohortgate.coordinator.service.sweeper import Due
 
 # (job, round) -> the cohort id it formed as and its ranks' hosts, while the store holds it
 Formed = Callable[[str, int], tuple[str, dict[int, str]] | None]
@@ -42,6 +43,7 @@ class Watched(Generic[T]):
         evicted: Callable[[list[T]], None] = lambda gone: None,
     ) -> None:
         self.cohorts: dict[str, T] = {}
+        self.due = Due()  # when each next needs a look (service/sweeper.py)
         self.limit, self.room_idle_s = limit, room_idle_s
         self.formed: Formed = formed or (lambda job_id, round_: None)
         self.noun, self.participle, self.sized, self.evicted = noun, participle, sized, evicted
@@ -82,7 +84,17 @@ class Watched(Generic[T]):
         """Forget the cohorts nobody called about for `idle_s`; returns them."""
         gone = [k for k, c in self.cohorts.items() if now - c.last_seen > idle_s]
         out = [self.cohorts.pop(k) for k in gone]
+        for k in gone:
+            self.due.set(k, None)
         self.sized(len(self.cohorts))
         if out:
             self.evicted(out)
         return out
+
+    def look_due(self, now: float, look: Callable[[T], float | None]) -> None:
+        """Look at the cohorts whose time came: `look(c)` acts on one and says when it is
+        due next (None: only a call can change it)."""
+        for key in self.due.pop(now):
+            c = self.cohorts.get(key)
+            if c is not None:
+                self.due.set(key, look(c))
