@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from cohortgate.coordinator.decision.coverage import Piece, check, check_flat
+import math
+
+import numpy as np
+import pytest
+
+from cohortgate.coordinator.decision import coverage
+from cohortgate.coordinator.decision.coverage import (
+    CoverageProblem,
+    Piece,
+    check,
+    check_arrays,
+    check_flat,
+)
 
 
 def kinds(problems: list) -> list[str]:  # type: ignore[type-arg]
@@ -112,3 +124,96 @@ def test_a_large_grid_names_its_overlap_and_its_gap() -> None:
     assert kinds(doubled) == ["overlap"] and "[2:4, 51:54] is held twice" in doubled[0].detail
     holed = check("grid", (40, 60), grid[:37] + grid[38:])
     assert kinds(holed) == ["uncovered"] and "[2:4, 51:54] is held by no rank" in holed[0].detail
+
+
+def columns(shape: tuple[int, ...], pieces: list[Piece]) -> list[CoverageProblem]:
+    """check_arrays (the columns' path, which check() takes from FAST_MIN_PIECES pieces)."""
+    return (
+        check_arrays(
+            "t",
+            shape,
+            np.array([p.rank for p in pieces], dtype=np.int64),
+            np.array([p.offset for p in pieces], dtype=np.int64),
+            np.array([p.length for p in pieces], dtype=np.int64),
+        )
+        or []
+    )
+
+
+def test_off_the_grid_pieces_name_their_tensor_the_overlap_and_the_gap() -> None:
+    bricks = [Piece(0, (0, 0), (1, 3)), Piece(1, (0, 3), (1, 1)), Piece(2, (1, 0), (1, 1))]
+    assert columns((2, 4), [*bricks, Piece(3, (1, 1), (1, 3))]) == []
+    assert columns((2, 4), [*bricks, Piece(3, (0, 2), (2, 2))]) == [
+        CoverageProblem(
+            "t",
+            "overlap",
+            "[0:1, 2:3] is held twice: by [0:1, 0:3] on rank 0 and by [0:2, 2:4] on rank 3",
+            (0, 3),
+        ),
+        CoverageProblem(
+            "t",
+            "uncovered",
+            "[1:2, 1:2] is held by no rank (neighbouring pieces on ranks 0,2)",
+            (0, 2),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shape", "held"),
+    [
+        ((4,), "12"),
+        ((2**31, 2**30), "more than 2^62"),  # 1.5 * 2^62 elements: past the exact count
+        # 2^80 elements a piece: the product wraps in int64; such pieces are not empty
+        ((2**40, 2**40), "more than 2^62"),
+    ],
+)
+def test_every_element_held_three_times_is_an_overlap_told_by_count(
+    shape: tuple[int, ...], held: str
+) -> None:
+    """Held an odd number of times everywhere, the corner parity is a tiling's: the count
+    of elements tells (two whole copies and two halves)."""
+    half = (shape[0] // 2, *shape[1:])
+    zeros = (0,) * len(shape)
+    pieces = [
+        Piece(0, zeros, shape),
+        Piece(1, zeros, shape),
+        Piece(2, zeros, half),
+        Piece(3, (half[0], *zeros[1:]), half),
+    ]
+    total = math.prod(shape)
+    assert columns(shape, pieces) == [
+        CoverageProblem(
+            "t",
+            "overlap",
+            f"the pieces hold {held} elements of the tensor's {total}: some are held three "
+            "times or more",
+            (0, 1, 2, 3),
+        )
+    ]
+
+
+def test_the_parity_path_alone_names_no_pieces_and_whole_copies() -> None:
+    """decision.coverage._check_parity takes any in-bounds layout (check_arrays hands it
+    only those off the grid): none at all, one whole piece, two."""
+
+    def parity(pieces: list[Piece]) -> list[CoverageProblem]:
+        return coverage._check_parity(
+            "t",
+            (2, 3),
+            np.array([p.rank for p in pieces], dtype=np.int64),
+            np.array([p.offset for p in pieces], dtype=np.int64).reshape(len(pieces), 2),
+            np.array([p.length for p in pieces], dtype=np.int64).reshape(len(pieces), 2),
+        )
+
+    whole = [Piece(4, (0, 0), (2, 3)), Piece(7, (0, 0), (2, 3))]
+    assert parity([]) == [CoverageProblem("t", "uncovered", "[0:2, 0:3] is held by no rank", ())]
+    assert parity(whole[:1]) == []
+    assert parity(whole) == [
+        CoverageProblem(
+            "t",
+            "overlap",
+            "[0:2, 0:3] is held twice: by [0:2, 0:3] on rank 4 and by [0:2, 0:3] on rank 7",
+            (4, 7),
+        )
+    ]

@@ -20,7 +20,7 @@ from cohortgate.coordinator.decision.checks import Policies
 from cohortgate.coordinator.decision.cohort import CohortState, Member
 from cohortgate.coordinator.decision.formation import FormationOptions, decide
 from cohortgate.coordinator.decision.report import judge
-from cohortgate.coordinator.decision.verdict import Cause, Outcome
+from cohortgate.coordinator.decision.verdict import Cause, Level, Outcome
 
 
 def manifest(rows: int) -> Manifest:
@@ -104,6 +104,29 @@ def test_duplicate_position_is_refused_by_placement() -> None:
     assert d.outcome is Outcome.REFUSED
     texts = [f.text for f in d.findings if f.check == "layout"]
     assert "position tp=0 cp=0 ep=0 dp=0 pp=1 is held by ranks 4-5" in texts[0]
+
+
+def test_a_broken_mesh_is_refused_for_its_layout_and_a_tolerated_one_for_its_model() -> None:
+    """Under layout=strict a broken mesh is the refusal, and its replica groups (which a
+    broken mesh makes up) are not compared; under layout=warn they are, and a rank that
+    differs from its replica peer is refused for its model."""
+    layouts = {r: mesh_layout(r, claimed=4 if r == 5 else None) for r in range(8)}
+    held = (
+        "position tp=0 cp=0 ep=0 dp=0 pp=1 is held by ranks 4-5: every position must be held "
+        "exactly once"
+    )
+    d = decide(cohort(layouts, {3: manifest(33)}), 1.0, OPTS)
+    assert (d.outcome, d.cause) == (Outcome.REFUSED, Cause.LAYOUT)
+    assert [(f.check, f.level, f.text, f.ranks) for f in d.findings] == [
+        ("layout", Level.STRICT, held, (4, 5))
+    ]
+    warn = FormationOptions(policies=Policies.parse(["layout=warn"]))
+    d = decide(cohort(layouts, {3: manifest(33)}), 1.0, warn)
+    assert (d.outcome, d.cause) == (Outcome.REFUSED, Cause.SIGNATURE_MISMATCH)
+    assert [(f.check, f.level, f.text, f.ranks) for f in d.findings] == [
+        ("layout", Level.WARN, held, (4, 5)),
+        ("model", Level.STRICT, "1 replica group holds differing signatures", (1, 3)),
+    ]
 
 
 def test_global_fields_listed_by_value_and_ranks() -> None:
@@ -190,9 +213,33 @@ def test_a_replica_missing_a_tensor_is_named() -> None:
         layouts[r] = Layout(lay.sizes, lay.position, pieces=lay.pieces[:1])
     d = decide(cohort(layouts), 1.0, OPTS)
     assert d.outcome is Outcome.REFUSED
-    assert any(
-        "replica dp=1 declares no piece of 'layers.0.fc2.bias'" in f.text for f in d.findings
-    ), d.findings
+    (f,) = [f for f in d.findings if "declares no piece" in f.text]
+    assert f.text == (
+        "replica dp=1 declares no piece of 'layers.0.fc2.bias', which other replicas hold"
+    )
+    assert f.check == "coverage" and f.level.value == "strict"
+    assert f.ranks == (2, 3)  # its ranks at pp=0, where the others hold it; not 6, 7 (pp=1)
+
+
+def test_a_replica_missing_many_tensors_names_ten_and_counts_the_rest() -> None:
+    def replica(rank: int, tensors: int) -> Layout:
+        decl = layout(rank, dp=2)
+        for t in range(tensors):
+            decl.replicated(f"t{t:02}", (4,))
+        return decl.build()
+
+    layouts = {0: replica(0, 13), 1: replica(1, 1)}
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED
+    (f,) = [f for f in d.findings if "declares no piece" in f.text]
+    shown = ", ".join(f"'t{t:02}'" for t in range(1, 11))
+    assert f.text == (
+        f"replica dp=1 declares no piece of {shown} and 2 more, which other replicas hold"
+    )
+    assert f.ranks == (1,)
+    layouts = {0: replica(0, 11), 1: replica(1, 1)}  # ten absent: all named, none counted
+    (f,) = [f for f in decide(cohort(layouts), 1.0, OPTS).findings if "no piece" in f.text]
+    assert f.text.endswith("'t10', which other replicas hold")
 
 
 def test_weights_are_compared_within_each_replica_group_only() -> None:
@@ -243,3 +290,21 @@ def test_every_registered_check_has_a_policy_and_a_help_line() -> None:
         assert f"{check.name} ({check.default})" in described
         for level in Level:
             assert Policies.parse([f"{check.name}={level}"]).for_job("j")[check.name] is level
+
+
+def test_ranks_built_from_different_model_configs_are_refused_by_the_model_check() -> None:
+    """Signatures agree within every replica group, yet half the ranks built the model from
+    another config: the model check refuses, for the layered identity (cause `layout`)."""
+    layouts = {r: mesh_layout(r) for r in range(8)}
+    configs = {r: config_fingerprint({"hidden": 32 if r < 4 else 33}) for r in range(8)}
+    for r, lay in layouts.items():
+        layouts[r] = Layout(lay.sizes, lay.position, config=configs[r], pieces=lay.pieces)
+    d = decide(cohort(layouts), 1.0, OPTS)
+    assert (d.outcome, d.cause, d.check) == (Outcome.REFUSED, Cause.LAYOUT, "model")
+    assert [(f.check, f.text, f.ranks) for f in d.findings] == [
+        (
+            "model",
+            f"model_config: {configs[0]} on ranks 0-3, {configs[4]} on ranks 4-7",
+            (4, 5, 6, 7),
+        )
+    ]

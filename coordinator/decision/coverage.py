@@ -128,7 +128,7 @@ def check_arrays(
         (offsets < 0).any() or (lengths < 0).any() or (ends > shape_arr).any()
     ):
         return None  # the slow path names the offending pieces
-    live = lengths.prod(axis=1) > 0
+    live = (lengths > 0).all(axis=1)  # not the product's sign: past 2^63 it wraps
     if not live.all():
         ranks, offsets, lengths, ends = ranks[live], offsets[live], lengths[live], ends[live]
         n = len(ranks)

@@ -131,7 +131,8 @@ def mismatches(shape: Sequence[int], offsets: Int64s, lengths: Int64s, cap: int 
 
 def tiles(shape: Sequence[int], offsets: Int64s, lengths: Int64s) -> bool:
     """Do in-bounds pieces (rows of offsets and lengths) tile a box of `shape` exactly?"""
-    live = lengths.prod(axis=1) > 0 if len(lengths) else np.zeros(0, dtype=bool)
+    # not the product's sign: past 2^63 it wraps
+    live = (lengths > 0).all(axis=1) if len(lengths) else np.zeros(0, dtype=bool)
     offsets, lengths = offsets[live], lengths[live]
     if sum(int(v) for v in lengths.prod(axis=1)) != math.prod(shape):
         return False

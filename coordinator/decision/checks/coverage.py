@@ -52,9 +52,7 @@ class CoverageCheck(LayeredCheck):
         for replica, mine in held.items():
             absent = sorted(table.names[t] for t in np.flatnonzero(everything & ~mine).tolist())
             if absent:
-                ranks = tuple(
-                    r for r, lay in layouts.items() if lay.position.get("dp", 0) == replica
-                )
+                ranks = _culprits(layouts, replica, set(absent))
                 shown = ", ".join(f"'{t}'" for t in absent[:10])
                 more = f" and {len(absent) - 10} more" if len(absent) > 10 else ""
                 out.append(
@@ -152,3 +150,15 @@ class CoverageCheck(LayeredCheck):
                 tensor, shape, rows.rank, rows.offsets, rows.lengths
             )
         ]
+
+
+def _culprits(layouts: Mapping[int, Layout], replica: int, names: set[str]) -> tuple[int, ...]:
+    """The replica's ranks at the places (every axis but dp) where other replicas hold
+    `names`: the ranks that should hold them; the whole replica where none matches."""
+    places = {
+        lay.replica_key
+        for lay in layouts.values()
+        if lay.position.get("dp", 0) != replica and not names.isdisjoint(lay.columns().tensors)
+    }
+    mine = [r for r, lay in layouts.items() if lay.position.get("dp", 0) == replica]
+    return tuple(r for r in mine if layouts[r].replica_key in places) or tuple(mine)
