@@ -13,6 +13,7 @@ from cohortgate.coordinator.decision.coverage import (
     Piece,
     check,
     check_arrays,
+    check_columns,
     check_flat,
 )
 
@@ -217,3 +218,77 @@ def test_the_parity_path_alone_names_no_pieces_and_whole_copies() -> None:
             (4, 7),
         )
     ]
+
+
+def test_pieces_outside_the_tensor_are_named_twenty_then_counted() -> None:
+    def outside(n: int) -> list[CoverageProblem]:
+        pieces = [Piece(r, (8 + r,), (1,)) for r in range(n)]
+        return check_columns(
+            "w",
+            (8,),
+            np.array([p.rank for p in pieces], dtype=np.int64),
+            np.array([p.offset for p in pieces], dtype=np.int64),
+            np.array([p.length for p in pieces], dtype=np.int64),
+        )
+
+    twenty = outside(20)
+    assert [(p.tensor, p.kind, p.ranks) for p in twenty] == [
+        ("w", "out_of_bounds", (r,)) for r in range(20)
+    ]
+    assert twenty[3].detail == "piece [11:12] on rank 3 lies outside the tensor's shape [8]"
+    more = outside(37)
+    assert more[:20] == twenty
+    assert more[20:] == [
+        CoverageProblem("w", "out_of_bounds", "17 more pieces lie outside it", tuple(range(20, 36)))
+    ]
+
+
+def test_a_negative_offset_or_length_is_outside_the_tensor() -> None:
+    def one(offset: int, length: int) -> list[CoverageProblem]:
+        return check_columns(
+            "w",
+            (8,),
+            np.array([5], dtype=np.int64),
+            np.array([[offset]], dtype=np.int64),
+            np.array([[length]], dtype=np.int64),
+        )
+
+    assert [p.kind for p in one(-1, 4)] == ["out_of_bounds"]
+    assert [p.kind for p in one(2, -1)] == ["out_of_bounds"]
+
+
+def test_many_pieces_take_the_columns_path_and_name_their_tensor() -> None:
+    n = 256  # FAST_MIN_PIECES: from here check_arrays
+    ranks = np.arange(n, dtype=np.int64)
+    offsets = ranks.reshape(n, 1).copy()
+    offsets[-1] = n - 2  # the last piece on its neighbour's element: an overlap and a gap
+    lengths = np.ones((n, 1), dtype=np.int64)
+    assert check_columns("big", (n,), ranks, offsets, lengths) == [
+        CoverageProblem(
+            "big",
+            "overlap",
+            "[254:255] is held twice: by [254:255] on rank 254 and by [254:255] on rank 255",
+            (254, 255),
+        ),
+        CoverageProblem(  # named by its neighbours, as the other paths name a gap
+            "big",
+            "uncovered",
+            "[255:256] is held by no rank (neighbouring pieces on ranks 254,255)",
+            (254, 255),
+        ),
+    ]
+
+
+def test_a_missing_cell_of_a_grid_is_named_by_the_pieces_beside_it() -> None:
+    grid = [Piece(10 * i + j, (i, 2 * j), (1, 2)) for i in range(3) for j in range(3)]
+    gone = [p for p in grid if p.rank != 11]  # the middle cell: four neighbours
+    assert columns((3, 6), gone) == [
+        CoverageProblem(
+            "t",
+            "uncovered",
+            "[1:2, 2:4] is held by no rank (neighbouring pieces on ranks 1,10,12,21)",
+            (1, 10, 12, 21),
+        )
+    ]
+    corner = [p for p in grid if p.rank != 22]  # a corner: two
+    assert columns((3, 6), corner)[0].ranks == (12, 21)

@@ -90,11 +90,16 @@ def test_wrong_width_is_refused_naming_tensor_range_and_ranks() -> None:
     layouts = {r: mesh_layout(r, rows=40 if r == 2 else 32) for r in range(8)}
     d = decide(cohort(layouts), 1.0, OPTS)
     assert d.outcome is Outcome.REFUSED and d.cause is Cause.LAYOUT
-    texts = [f.text for f in d.findings if f.check == "coverage"]
-    assert any(
-        "replica dp=1: 'layers.0.fc1.weight': overlap: [32:40, 0:16] is held twice" in t
-        for t in texts
-    ), texts
+    assert [(f.check, f.level, f.text, f.ranks) for f in d.findings] == [
+        (
+            "coverage",
+            Level.STRICT,
+            "replica dp=1: 'layers.0.fc1.weight': overlap: [32:40, 0:16] is held twice: by "
+            "[0:40, 0:16] on rank 2 and by [32:64, 0:16] on rank 3",
+            (2, 3),
+        ),
+        ("model", Level.STRICT, "1 replica group holds differing signatures", (0, 2)),
+    ]
     assert {c.group for c in d.classes} == {"tp=0 cp=0 ep=0 pp=0"}
 
 
@@ -155,7 +160,15 @@ def test_replicated_pieces_must_agree() -> None:
     pieces = (bad.pieces[0], bad.pieces[1].__class__("layers.0.fc2.bias", (16,), (0,), (8,), True))
     layouts[1] = Layout(bad.sizes, bad.position, pieces=pieces)
     d = decide(cohort(layouts), 1.0, OPTS)
-    assert any("replicated pieces disagree" in f.text for f in d.findings), d.findings
+    assert [(f.check, f.level, f.text, f.ranks) for f in d.findings] == [
+        (
+            "coverage",
+            Level.STRICT,
+            "replica dp=0: 'layers.0.fc2.bias' replicated pieces disagree: [0:16] on rank 0, "
+            "[0:8] on rank 1",
+            (0, 1),
+        )
+    ]
 
 
 def test_a_rank_without_a_layout_among_ranks_with_one() -> None:

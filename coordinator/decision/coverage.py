@@ -161,7 +161,9 @@ def check_arrays(
     if len(distinct) < cells:
         missing = np.nonzero(distinct != np.arange(len(distinct)))[0]
         cell = int(missing[0]) if len(missing) else len(distinct)
-        problems.append(_missing_cell(tensor, shape, offsets, ends, cell, cells_per_dim, ranks))
+        problems.append(
+            _missing_cell(tensor, shape, offsets, ends, cell, cells_per_dim, ranks, index)
+        )
     return problems
 
 
@@ -279,19 +281,27 @@ def _missing_cell(
     cell: int,
     cells_per_dim: list[int],
     ranks: Int64s,
+    index: Int64s,
 ) -> CoverageProblem:
-    spans = []
+    """The grid's cell `cell` (row-major) that no piece holds, named with the ranks of the
+    pieces in the cells beside it (`index`: each piece's cell)."""
+    spans, at, rest = [], [], cell
     for d in reversed(range(len(cells_per_dim))):
-        cell, k = divmod(cell, cells_per_dim[d])
+        rest, k = divmod(rest, cells_per_dim[d])
         cuts = _cuts(offsets[:, d], ends[:, d], shape[d])
         spans.append(f"{int(cuts[k])}:{int(cuts[k + 1])}")
+        at.append(k)
     region = ", ".join(reversed(spans))
-    return CoverageProblem(
-        tensor,
-        "uncovered",
-        f"[{region}] is held by no rank",
-        tuple(sorted({int(r) for r in ranks[:16]})),
-    )
+    at.reverse()
+    beside = [
+        cell + step * math.prod(cells_per_dim[d + 1 :])
+        for d in range(len(cells_per_dim))
+        for step in (-1, 1)
+        if 0 <= at[d] + step < cells_per_dim[d]
+    ]
+    near = sorted({int(r) for r in ranks[np.isin(index, beside)]})[:16]
+    said = f" (neighbouring pieces on ranks {','.join(map(str, near))})" if near else ""
+    return CoverageProblem(tensor, "uncovered", f"[{region}] is held by no rank{said}", tuple(near))
 
 
 def _check_pieces(
