@@ -51,9 +51,14 @@ def test_overlap_names_the_range_and_the_ranks() -> None:
 
 def test_gap_names_the_uncovered_range() -> None:
     pieces = [Piece(0, (0, 0), (8, 16)), Piece(1, (12, 0), (20, 16))]
-    (problem,) = check("w", (32, 16), pieces)
-    assert problem.kind == "uncovered"
-    assert "[8:12, 0:16] is held by no rank" in problem.detail
+    assert check("w", (32, 16), pieces) == [
+        CoverageProblem(
+            "w",
+            "uncovered",
+            "[8:12, 0:16] is held by no rank (neighbouring pieces on ranks 0,1)",
+            (0, 1),
+        )
+    ]
 
 
 def test_tail_never_written_is_uncovered() -> None:
