@@ -11,6 +11,7 @@ from cohortgate.coordinator.contract.manifest import Entry, Kind, Manifest
 from cohortgate.coordinator.decision.classes import signature_classes
 from cohortgate.coordinator.decision.cohort import CohortState, Member, UploadKind
 from cohortgate.coordinator.decision.formation import FormationOptions, decide
+from cohortgate.coordinator.decision.report import judge
 from cohortgate.coordinator.decision.verdict import Cause, Outcome
 
 SIG_A = b"a" * 32
@@ -84,6 +85,24 @@ def test_an_invalid_digest_upload_is_named_as_digests_not_as_a_manifest() -> Non
     assert d.reason == (
         "[1 uploaded per-tensor digest list(s) did not combine to the weights digest their "
         "rank joined with]"
+    )
+
+
+def test_invalid_uploads_are_refused_with_every_reason_in_one_report() -> None:
+    state = cohort(2, {0: SIG_A, 1: SIG_A})
+    state.invalid_uploads[(UploadKind.MANIFEST, SIG_A)] = "rank 0's manifest lied"
+    state.invalid_uploads[(UploadKind.DIGESTS, b"d" * 32)] = "rank 1's digests lied"
+    d, refusal = judge(state, 100.0, OPTS)
+    assert (d.outcome, d.cause) == (Outcome.REFUSED, Cause.MANIFEST_INVALID)
+    assert refusal is not None
+    assert refusal.headline == "rank 0's manifest lied"  # the first reason
+    assert refusal.report == (
+        "cohortgate refused to form job 'job' round 1: a rank's uploaded digests and manifest "
+        "did not match what it joined with.\n"
+        "  rank 0's manifest lied\n"
+        "  rank 1's digests lied\n"
+        "What to do: run the same cohortgate version on every rank and the coordinator; a rank "
+        "that changes its model after signing must sign again."
     )
 
 
