@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -115,6 +118,28 @@ def test_deadline_refuses_naming_missing_and_present_ranks() -> None:
     assert d.missing_ranks == (3, 7, 12, 13)
     assert ranges.compress(d.present_ranks) == "0-2,4-6,8-11,14-15"
     assert "missing ranks 3,7,12-13" in d.reason
+    _, refusal = judge(state, 160.0, OPTS)
+    assert refusal is not None
+    assert (
+        refusal.headline == "ranks 3,7,12-13 never joined (join deadline passed with 12/16 ranks)"
+    )
+    assert refusal.report == (
+        "cohortgate refused to form job 'job' round 1: the join deadline (60s from the first "
+        "join) passed with 12/16 ranks joined.\n"
+        "missing ranks: 3,7,12-13\n"
+        "present ranks: 0-2,4-6,8-11,14-15 on node0, node1\n"
+        "What to do: find out why the missing ranks never reached cohortgate.join() (their "
+        "logs, their nodes), or raise the deadline with --join-deadline."
+    )
+
+
+def test_a_round_every_rank_left_is_refused_at_its_deadline_with_none_present() -> None:
+    d, refusal = judge(cohort(2, {}), 160.0, OPTS)
+    assert (d.outcome, d.cause) == (Outcome.REFUSED, Cause.DEADLINE)
+    assert refusal is not None
+    assert "passed with 0/2 ranks joined.\nmissing ranks: 0-1\npresent ranks: none\nWhat" in (
+        refusal.report
+    )
 
 
 def test_mismatch_waits_for_manifests_then_refuses() -> None:
@@ -193,3 +218,29 @@ def test_missing_text_from_the_present_ranks_matches_the_brute_force(
     present = {r for r in present if r < world}
     expected = ranges.compress_capped(ranges.missing(present, world), cap)
     assert ranges.missing_text(present, world, cap) == expected
+
+
+def test_a_snapshot_decides_alike_and_no_later_change_reaches_it() -> None:
+    """What a worker thread decides on (CohortState.snapshot) while the loop changes the
+    cohort: every container of the state is its own copy (a shared one changes under the
+    worker, or fails its iteration)."""
+    state = cohort(4, {0: SIG_A, 1: SIG_B, 2: SIG_A})
+    state.manifests[SIG_A] = manifest(4)
+    snap = state.snapshot()
+    assert decide(snap, 101.0, OPTS) == decide(state, 101.0, OPTS)
+    containers = [
+        f.name
+        for f in dataclasses.fields(state)
+        if isinstance(getattr(state, f.name), dict | list | set)
+    ]
+    assert len(containers) == 9  # a new container field: copy it in snapshot(), then count it
+    before = {name: copy.deepcopy(getattr(snap, name)) for name in containers}
+    for name in containers:
+        mine, theirs = getattr(state, name), getattr(snap, name)
+        assert mine is not theirs, name
+        if isinstance(mine, dict):
+            mine[b"new" if name != "launches" else "new"] = None
+        else:
+            mine.append(None)
+    state.classes[SIG_A].add(3)  # the index's sets are copied too
+    assert {name: getattr(snap, name) for name in containers} == before

@@ -182,6 +182,7 @@ class CohortState:
             manifests=dict(self.manifests),
             invalid_uploads=dict(self.invalid_uploads),
             tensor_digests=dict(self.tensor_digests),
+            files=dict(self.files),
             departures=list(self.departures),
             launches=dict(self.launches),
             intruders=list(self.intruders),
