@@ -321,3 +321,54 @@ def test_ranks_built_from_different_model_configs_are_refused_by_the_model_check
             (4, 5, 6, 7),
         )
     ]
+
+
+def test_tensors_that_do_not_tile_are_named_up_to_the_budget_then_counted() -> None:
+    """DETAILED (64) tensors named across the replicas, the rest counted per replica."""
+
+    def broken(rank: int, tensors: int) -> Layout:
+        decl = layout(rank, dp=2)
+        for t in range(tensors):
+            decl.shard(f"t{t:02}", (4,), (0,), (2,))  # the second half held by nobody
+        return decl.build()
+
+    d = decide(cohort({0: broken(0, 40), 1: broken(1, 40)}), 1.0, OPTS)
+    assert d.outcome is Outcome.REFUSED and len(d.findings) == 65
+    assert (d.findings[39].text, d.findings[39].ranks) == (
+        "replica dp=0: 't39': uncovered: [2:4] is held by no rank (neighbouring pieces on ranks 0)",
+        (0,),
+    )
+    assert d.findings[63].text.startswith("replica dp=1: 't23': uncovered")
+    last = d.findings[64]
+    assert (last.check, last.level, last.text, last.ranks) == (
+        "coverage",
+        Level.STRICT,
+        "replica dp=1: 16 more tensors do not tile ('t24', 't25', 't26', 't27', 't28', ...); "
+        "the report names the problems of the first 64",
+        (),
+    )
+    d = decide(cohort({0: broken(0, 64), 1: broken(1, 5)}), 1.0, OPTS)
+    assert d.findings[-1].text == (  # five: all shown, no ellipsis
+        "replica dp=1: 5 more tensors do not tile ('t00', 't01', 't02', 't03', 't04'); the "
+        "report names the problems of the first 64"
+    )
+
+
+def test_a_tensor_of_thousands_of_pieces_is_checked_alone_and_named() -> None:
+    def rows(rank: int, hole: int) -> Layout:
+        decl = layout(rank, dp=2)
+        for i in range(4096):  # pieces.LARGE: checked as columns on its own
+            if i != hole:
+                decl.shard("big", (4096, 2), (i, 0), (1, 2))
+        return decl.build()
+
+    d = decide(cohort({0: rows(0, -1), 1: rows(1, 7)}), 1.0, OPTS)
+    assert [(f.check, f.level, f.text, f.ranks) for f in d.findings] == [
+        (
+            "coverage",
+            Level.STRICT,
+            "replica dp=1: 'big': uncovered: [7:8, 0:2] is held by no rank (neighbouring "
+            "pieces on ranks 1)",
+            (1,),
+        )
+    ]
