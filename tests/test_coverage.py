@@ -36,6 +36,7 @@ def test_seed_counterexample_counts_match_but_two_pieces_write_one_place() -> No
     # Two 2-element pieces both write [0:2] of a 4-element shard; [2:4] is never written.
     problems = check_flat("shard", 4, [(0, 0, 2), (1, 0, 2)])
     assert kinds(problems) == ["overlap", "uncovered"]
+    assert {p.tensor for p in problems} == {"shard"}
     assert problems[0].ranks == (0, 1)
     assert "[0:2] is held twice" in problems[0].detail
     assert "[2:4] is held by no rank" in problems[1].detail
@@ -297,3 +298,54 @@ def test_a_missing_cell_of_a_grid_is_named_by_the_pieces_beside_it() -> None:
     ]
     corner = [p for p in grid if p.rank != 22]  # a corner: two
     assert columns((3, 6), corner)[0].ranks == (12, 21)
+
+
+def row_of(n: int, length: int = 1) -> list[Piece]:
+    """n pieces of `length` side by side, rank i at i * length: at FAST_MIN_PIECES and
+    beyond, check() takes the columns' path."""
+    return [Piece(i, (i * length,), (length,)) for i in range(n)]
+
+
+def test_the_columns_path_hands_pieces_outside_the_tensor_to_the_path_that_names_them() -> None:
+    for bad in (Piece(300, (-1,), (1,)), Piece(300, (5,), (-1,)), Piece(300, (256,), (1,))):
+        problems = check("w", (256,), [*row_of(256), bad])
+        assert [(p.tensor, p.kind, p.ranks) for p in problems][0] == ("w", "out_of_bounds", (300,))
+    wrong_dims = check("w", (256, 1), row_of(256))  # pieces of one dimension, a tensor of two
+    assert {(p.kind, len(p.ranks)) for p in wrong_dims} == {("shape", 1)}
+
+
+def test_empty_pieces_among_many_change_nothing() -> None:
+    empties = [Piece(400 + i, (i,), (0,)) for i in range(10)]
+    assert check("w", (256,), [*row_of(256), *empties]) == []
+    gap = check("w", (256,), [*row_of(255), *empties])
+    assert [(p.tensor, p.kind, p.detail) for p in gap] == [
+        ("w", "uncovered", "[255:256] is held by no rank (neighbouring pieces on ranks 254)")
+    ]
+
+
+def test_many_pieces_off_the_grid_name_their_tensor() -> None:
+    """Pieces of 2 from 0, and one of 2 from 1 over two of them: not a grid (it spans two
+    cells), so corner parity names the overlap."""
+    problems = check("w", (512,), [*row_of(256, 2), Piece(999, (1,), (2,))])
+    assert [(p.tensor, p.kind, p.ranks) for p in problems] == [("w", "overlap", (0, 999))]
+
+
+def test_the_piece_by_piece_path_at_its_edges() -> None:
+    """Few pieces (check() without the columns): a piece whose offset has the wrong
+    dimensions, empty pieces, a gap at the very start, all pieces empty, and the
+    cap on what one tensor reports (21 problems)."""
+    half = [Piece(0, (0, 0), (2, 2)), Piece(1, (2, 0), (2, 2))]
+    assert [(p.kind, p.ranks) for p in check("w", (4, 2), [*half, Piece(7, (0,), (1,))])] == [
+        ("shape", (7,))
+    ]
+    assert check("w", (4, 2), [*half, Piece(7, (1, 1), (0, 0))]) == []  # empty: not outside
+    assert check("w", (4,), [Piece(3, (1,), (3,))]) == [
+        CoverageProblem(
+            "w", "uncovered", "[0:1] is held by no rank (neighbouring pieces on ranks 3)", (3,)
+        )
+    ]
+    assert check("w", (4,), [Piece(3, (1,), (0,))]) == [
+        CoverageProblem("w", "uncovered", "the pieces hold 0 of 4 elements", ())
+    ]
+    sparse = [Piece(i, (2 * i,), (1,)) for i in range(30)]  # a gap after every piece
+    assert len(check("w", (60,), sparse)) == 21
