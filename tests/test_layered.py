@@ -372,3 +372,27 @@ def test_a_tensor_of_thousands_of_pieces_is_checked_alone_and_named() -> None:
             (1,),
         )
     ]
+
+
+def test_logical_shapes_ranks_disagree_on_are_named_twenty_then_counted() -> None:
+    def shapes(rank: int, tensors: int, rows: int) -> Layout:
+        decl = layout(rank, dp=2)
+        for t in range(tensors):
+            decl.replicated(f"w{t:02}", (rows,))
+        return decl.build()
+
+    d = decide(cohort({0: shapes(0, 1, 4), 1: shapes(1, 1, 5)}), 1.0, OPTS)
+    assert (d.findings[0].check, d.findings[0].level, d.findings[0].text, d.findings[0].ranks) == (
+        "coverage",
+        Level.STRICT,
+        "'w00' logical shape: [4] on rank 0, [5] on rank 1",
+        (0, 1),
+    )
+    d = decide(cohort({0: shapes(0, 23, 4), 1: shapes(1, 23, 5)}), 1.0, OPTS)
+    coverage = [f for f in d.findings if f.check == "coverage"]
+    assert len(coverage) == 21  # pieces.CONFLICTS_NAMED, then the count
+    assert (coverage[-1].level, coverage[-1].text, coverage[-1].ranks) == (
+        Level.STRICT,
+        "ranks disagree on the logical shapes of 3 more tensors",
+        (),
+    )

@@ -172,3 +172,9 @@ def test_ranks_that_sent_no_digest_are_named_under_strict() -> None:
     assert refusal is not None and "sent no weight digest, which the weights check" in (
         refusal.report
     )
+
+
+def test_a_rank_without_a_digest_does_not_hide_the_ranks_after_it() -> None:
+    known = {REF: tensors(set()), ODD: tensors({"p0"})}
+    d = decide(cohort(8, {5}, known, unsent=frozenset({2})), 1.0, OPTS)
+    assert [f.ranks for f in d.findings] == [(2,), (5,)]
