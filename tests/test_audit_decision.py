@@ -14,7 +14,7 @@ from cohortgate.coordinator.decision.audit import (
     CohortAudits,
     RankAudit,
 )
-from cohortgate.coordinator.decision.verdict import Level
+from cohortgate.coordinator.decision.verdict import AuditFinding, Level
 
 COHORT = "job/1/abcd1234"
 NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
@@ -170,29 +170,44 @@ def test_under_a_layout_only_ranks_of_one_replica_group_are_compared() -> None:
 
 
 def test_a_rank_that_does_not_send_is_named_at_the_bound_not_waited_for() -> None:
-    c = cohort()
+    c, t0 = cohort(Level.STRICT), 1000.0  # a clock that reads like one
     for s in range(3):
         for rank in (0, 1, 3):
-            c.add(audit(rank, s, h("all", s)), 0.2 * s)
+            c.add(audit(rank, s, h("all", s)), t0 + 0.25 * s)
     assert c.compared == 0  # waiting for rank 2
-    c.sweep(30.0, bound_s=60.0)
+    assert c.due(60.0) == t0 + 60.0  # the oldest step's bound
+    c.sweep(t0 + 59.9, bound_s=60.0)
     assert c.compared == 0
-    c.sweep(60.5, bound_s=60.0)
-    assert c.compared == 3
+    c.sweep(t0 + 60.0, bound_s=60.0)  # at the bound: step 0 only
+    assert (c.compared, c.due(60.0)) == (1, t0 + 60.25)
+    c.sweep(t0 + 61.0, bound_s=60.0)
+    assert c.compared == 3 and c.due(60.0) is None
     (found,) = c.findings  # the same ranks missing again is not a new finding
-    assert (found.kind, found.step) == ("missing", 0)
-    assert found.headline == "step 0: rank 2 on host1 sent no audit in time"
-    assert "compared across the 3 ranks that did" in found.report
+    assert found == AuditFinding(
+        "job",
+        COHORT,
+        0,
+        "missing",
+        "strict",
+        "step 0: rank 2 on host1 sent no audit in time",
+        f"cohortgate audit of job 'job' (cohort {COHORT}): step 0: rank 2 on host1 sent no "
+        "audit in time; the step was compared across the 3 ranks that did.\n"
+        "What to do: a rank that stops auditing is hung, dead or no longer calls "
+        "cohort.audit(); look at those ranks' hosts.",
+        t0 + 60.0,
+    )
 
 
 def test_per_tensor_digests_that_never_come_still_give_a_report() -> None:
     c = cohort()
     run_steps(c, range(7), {2: 5})
     c.add(audit(0, 5, b"", tensors=tensors(5)), 1.3)  # rank 2 never answers
+    assert c.due(60.0) == 1.0 + TENSORS_WAIT_S  # found when step 5 came in whole, at 1.0
     c.sweep(1.0 + TENSORS_WAIT_S - 0.1, bound_s=60.0)
     assert c.findings == []
-    c.sweep(1.0 + TENSORS_WAIT_S + 0.1, bound_s=60.0)
+    c.sweep(1.0 + TENSORS_WAIT_S, bound_s=60.0)
     (found,) = c.findings
+    assert (found.kind, found.step, found.at) == ("diverged", 5, 1.0 + TENSORS_WAIT_S)
     assert "rank 2 did not send its per-tensor digests: tensors not named" in found.report
     assert found.headline.endswith("differs from ranks 0-1,3")
 

@@ -119,7 +119,6 @@ class CohortAudits:
         self.last_step = -1  # the highest step any rank sent
         self.compared = 0  # steps compared
         self.last_compared = -1
-        self.agreed_since = -1  # while no divergence stands: the first step found equal
         self._pace: list[tuple[int, float]] = []  # (step, first_at) of recent steps
         self.last_seen = 0.0
 
@@ -218,12 +217,9 @@ class CohortAudits:
         self.missing = absent
         groups = self._differing(step.digests)
         if not groups:
-            if self.pending is None and self.agreed_since < 0:
-                self.agreed_since = s
             if self.pending is None:
                 self.partition = ()
             return
-        self.agreed_since = -1
         partition = tuple(c.ranks for cs in groups.values() for c in cs)
         if partition == self.partition or self.pending is not None:
             return  # the same divergence, still standing (or its report is on its way)

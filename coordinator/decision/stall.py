@@ -42,7 +42,6 @@ MAX_FRAMES = 32
 SHOWN_FRAMES = 12
 # Groups shown in full in the headline before the rest are counted.
 HEADLINE_GROUPS = 4
-_AFTER = 1e-3  # a bound tested as "within" (inclusive) is looked at just past its end
 
 
 @dataclass(frozen=True)
@@ -357,11 +356,13 @@ class CohortProgress:
                 return None  # a stall needs a beat past the bound (which asks again)
             limit = self.pause_limit_s
             paused = [r.paused_since for r in self.ranks.values() if r.paused]
-            return max(paused) + limit + _AFTER if self.paused(now) else now
+            # exactly at its end (still "within": a look then finds it paused and asks again,
+            # a moment later); never after, which float rounding could make a moment too late
+            return max(paused) + limit if self.paused(now) else now
         if stall.told:
             return None  # until a rank moves (a beat)
         waiting = [
-            r.seen_at + SILENT_S + _AFTER  # the moment it stops counting as answering
+            r.seen_at + SILENT_S  # the moment it stops counting as answering
             for k, r in self.ranks.items()
             if now - r.seen_at < SILENT_S and k not in stall.snapshots
         ]
