@@ -309,7 +309,7 @@ def row_of(n: int, length: int = 1) -> list[Piece]:
 def test_the_columns_path_hands_pieces_outside_the_tensor_to_the_path_that_names_them() -> None:
     for bad in (Piece(300, (-1,), (1,)), Piece(300, (5,), (-1,)), Piece(300, (256,), (1,))):
         problems = check("w", (256,), [*row_of(256), bad])
-        assert [(p.tensor, p.kind, p.ranks) for p in problems][0] == ("w", "out_of_bounds", (300,))
+        assert [(p.tensor, p.kind, p.ranks) for p in problems] == [("w", "out_of_bounds", (300,))]
     wrong_dims = check("w", (256, 1), row_of(256))  # pieces of one dimension, a tensor of two
     assert {(p.kind, len(p.ranks)) for p in wrong_dims} == {("shape", 1)}
 

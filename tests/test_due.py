@@ -52,17 +52,21 @@ def beat(rank: int, step: int, **kw: object) -> Beat:
     st.sampled_from([2.0, 4.0, None]),
 )
 @example(  # a rank stops answering at exactly SILENT_S after its beat, not a moment later
-    [(0.4, (0, True, "", False, 0)), (2.1, (0, False, "", False, 0)), (2.0, "tick")]
-    + [(2.0, "tick"), (2.0, "tick"), (0.1, "tick")],
+    [
+        *[(0.4, (0, True, "", False, 0)), (2.1, (0, False, "", False, 0)), (2.0, "tick")],
+        *[(2.0, "tick"), (2.0, "tick"), (0.1, "tick")],
+    ],
     Level.WARN,
     2.0,
 )
 @example(  # a pause ends at 29.4 + 3.0, which a float subtraction reads as a moment past it
-    [(0.1, "tick")] * 3
-    + [(0.5, "tick")] * 8
-    + [(3.5, "tick")] * 5
-    + [(3.5, (1, True, "", False, 0)), (0.1, "tick"), (0.5, "tick")]
-    + [(3.5, (1, False, "checkpoint", False, 0)), (1.0, "tick"), (2.0, "tick")],
+    [
+        *[(0.1, "tick")] * 3,
+        *[(0.5, "tick")] * 8,
+        *[(3.5, "tick")] * 5,
+        *[(3.5, (1, True, "", False, 0)), (0.1, "tick"), (0.5, "tick")],
+        *[(3.5, (1, False, "checkpoint", False, 0)), (1.0, "tick"), (2.0, "tick")],
+    ],
     Level.WARN,
     2.0,
 )
