@@ -9,8 +9,10 @@ import pytest
 
 from cohortgate.coordinator.decision.audit import (
     MARGIN_STEPS,
+    MAX_MARGIN_STEPS,
     MAX_OPEN_STEPS,
     TENSORS_WAIT_S,
+    Answer,
     CohortAudits,
     RankAudit,
 )
@@ -235,7 +237,7 @@ def test_steps_held_open_are_bounded_by_a_stalled_rank() -> None:
     assert [f.headline for f in c.findings] == ["step 0: rank 3 on host1 sent no audit in time"]
 
 
-@pytest.mark.parametrize("late_step", [0, 3])
+@pytest.mark.parametrize("late_step", [0, 3, 4])  # 4: the last step compared
 def test_a_rank_that_comes_back_late_for_a_compared_step_changes_nothing(late_step: int) -> None:
     c = cohort()
     for s in range(5):
@@ -295,3 +297,105 @@ def test_the_status_lines_put_a_divergence_first_then_missing_ranks_then_the_lat
     assert lines[1]["missing"] == [3]
     assert (lines[3]["last_step"], lines[3]["last_compared"]) == (12, 11)
     assert [line["job_id"] for line in audits.status(shown=2)] == ["diverged", "m"]
+
+
+@pytest.mark.parametrize(
+    ("times", "margin"),
+    [
+        ({0: 0.0}, MARGIN_STEPS),  # one step: no pace yet
+        ({0: 0.0, 1: 0.02}, 13 + 2),  # two: 20 ms a step, a quarter second is 13 steps
+        ({0: 0.0, 1: 1.0}, MARGIN_STEPS + 2),  # 1 s a step: at least MARGIN_STEPS
+        ({0: 0.0, 2: 0.0, 4: 0.0, 6: 0.0}, MAX_MARGIN_STEPS + 2 * 2),  # no time passed
+        # the pace of the last 8 steps only: four slow steps, then eight at 20 ms (13 steps)
+        ({**{s: float(s) for s in range(4)}, **{s: 4 + (s - 4) * 0.02 for s in range(4, 12)}}, 15),
+    ],
+)
+def test_the_stop_margin_follows_the_pace_of_the_last_steps(
+    times: dict[int, float], margin: int
+) -> None:
+    """Steps in MARGIN_S at the pace the last 8 audited steps arrived (two audits more), on a
+    clock that reads like one."""
+    c = cohort(Level.STRICT)
+    for step, at in times.items():
+        c.add(audit(0, step, h("all", step)), 1000.0 + at)
+    assert c._margin() == margin
+
+
+def test_a_message_of_per_tensor_digests_alone_is_not_a_ranks_audit_of_its_step() -> None:
+    c = cohort()
+    for rank in (0, 1, 3):
+        c.add(audit(rank, 5, h("all", 5)), 1.0)
+    c.add(audit(2, 5, b"", tensors=tensors(5)), 1.1)  # unasked, digest-less: not its audit
+    assert (c.compared, sorted(c.steps[5].digests)) == (0, [0, 1, 3])
+
+
+def test_a_strict_divergence_is_reported_whole_when_its_tensors_arrive() -> None:
+    c = cohort(Level.STRICT)
+    assert c.answer() == Answer(COHORT, "strict")  # nothing found yet: every field at rest
+    run_steps(c, range(8), {2: 5}, t0=1000.0)
+    send_tensors(c, 1002.0, {2: "2.weight"})
+    (found,) = c.findings
+    assert (found.at, found.stop_step) == (1002.0, 11)  # when the last tensors came
+    reference, odd = h("all", 5, False).hex()[:12], h("all", 5, 2).hex()[:12]
+    assert found.report == (
+        f"cohortgate audit of job 'job' (cohort {COHORT}): replicas that must hold the same "
+        "weights differ at step 5.\n"
+        "all 4 ranks must hold the same values (no layout):\n"
+        f"  reference: ranks 0-1,3 on host0, host1, digest {reference}\n"
+        f"  differs:   rank 2 on host1, digest {odd}\n"
+        "    1 tensor of 4 differs: 2.weight (rank 2 against rank 0)\n"
+        "The strict policy stops the job at step 11: every rank's cohort.audit() raises "
+        "ReplicasDiverged there, before a checkpoint holds the corrupted weights.\n"
+        "What to do: a rank's weights changed without the others' (a bit flip or silent data "
+        "corruption on its GPU, an update applied on one rank only). Take the named host out "
+        "of service, and resume from a checkpoint saved before step 5."
+    )
+
+
+def test_a_divergence_that_cleared_and_came_back_is_reported_again() -> None:
+    """Rank 2 differs at step 5, is loaded from a checkpoint and agrees from step 8, then
+    differs again at step 12: the same ranks, a new divergence."""
+    c = cohort()
+    for s in range(16):
+        for rank in range(4):
+            odd = rank == 2 and (5 <= s < 8 or s >= 12)
+            c.add(audit(rank, s, h("all", s, odd)), 0.2 * s)
+        if s in (5, 12):
+            send_tensors(c, 0.2 * s + 0.1, {2: "2.weight"})
+    assert [(f.kind, f.step) for f in c.findings] == [("diverged", 5), ("diverged", 12)]
+
+
+def test_a_split_without_a_majority_with_a_cut_list_of_many_tensors_is_worded_whole() -> None:
+    names = tuple(f"t{i}" for i in range(12))
+    c = cohort()
+    for s in range(8):
+        for rank in range(4):
+            c.add(audit(rank, s, h("all", s, rank >= 2 and s >= 5)), 1000 + 0.2 * s)
+    for rank, step in c.answer().tensors_for:
+        odd = rank >= 2
+        sent = tuple((n, h(n, odd)) for n in names)
+        c.add(audit(rank, step, b"", tensors=sent, truncated=odd), 1002.0)
+    (found,) = c.findings
+    assert (found.cohort_id, found.headline) == (
+        COHORT,
+        "replicas diverged at step 5: no majority: ranks 0-1 on host0 and ranks 2-3 on host1 "
+        "hold different weights in t0",
+    )
+    assert (
+        "\n  differs:   ranks 2-3 on host1, digest "
+        f"{h('all', 5, True).hex()[:12]}\n"
+        "    12 tensors of 12 differ (of the tensors sent; the list was cut): t0, t1, t2, t3, "
+        "t4, t5, t6, t7 and 4 more (rank 2 against rank 0)\n"
+        "The job goes on (audit policy warn); --policy audit=strict stops it.\n"
+    ) in found.report
+
+
+def test_per_tensor_digests_that_agree_say_the_difference_is_past_them() -> None:
+    c = cohort()
+    run_steps(c, range(8), {2: 5})
+    send_tensors(c, 2.0, {})  # rank 2's tensors sent agree with rank 0's
+    (found,) = c.findings
+    assert (
+        f"  differs:   rank 2 on host1, digest {h('all', 5, 2).hex()[:12]}\n"
+        "    (their per-tensor digests agree: the difference is past the tensors sent)\n"
+    ) in found.report
