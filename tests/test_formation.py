@@ -244,3 +244,37 @@ def test_a_snapshot_decides_alike_and_no_later_change_reaches_it() -> None:
             mine.append(None)
     state.classes[SIG_A].add(3)  # the index's sets are copied too
     assert {name: getattr(snap, name) for name in containers} == before
+
+
+def test_the_cohorts_indexes_follow_members_that_come_go_and_are_replaced() -> None:
+    """The launch counts (a second launch's join is a conflict only while the first still
+    has members), the signature index, the version callers cache against, and departures."""
+    from cohortgate.coordinator.decision.cohort import Departure
+
+    state = CohortState("job", 1, 2, first_join_at=0.0)
+    versions = [state.version]
+    a0, a1 = (member(r, SIG_A) for r in range(2))
+    a0.launch = a1.launch = "A"
+    for m in (a0, a1):
+        state.add(m, 1.0)
+        versions.append(state.version)
+    assert state.launches == {"A": 2} and state.classes == {SIG_A: {0, 1}}
+    state.add(dataclasses.replace(a0, incarnation="again"), 2.0)  # replaced, same launch
+    versions.append(state.version)
+    assert state.launches == {"A": 2}
+    state.remove(state.members[0], 3.0)
+    versions.append(state.version)
+    assert state.launches == {"A": 1} and state.classes == {SIG_A: {1}}
+    state.remove(a1, 4.0)
+    versions.append(state.version)
+    assert state.launches == {} and state.classes == {}
+    b0 = member(0, SIG_B)
+    b0.launch = "B"
+    state.add(b0, 5.0)
+    versions.append(state.version)
+    assert state.launches == {"B": 1}
+    assert versions == sorted(set(versions))  # every change a new version
+    assert state.departures == [
+        Departure(0, a0.host, "again", 3.0),
+        Departure(1, a1.host, a1.incarnation, 4.0),
+    ]
