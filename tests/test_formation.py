@@ -278,3 +278,28 @@ def test_the_cohorts_indexes_follow_members_that_come_go_and_are_replaced() -> N
         Departure(0, a0.host, "again", 3.0),
         Departure(1, a1.host, a1.incarnation, 4.0),
     ]
+
+
+def test_the_culprits_headline_counts_further_classes_and_names_no_side_in_a_tie() -> None:
+    from cohortgate.coordinator.decision.words import culprits_headline
+
+    three = cohort(6, {0: SIG_A, 1: SIG_A, 2: SIG_A, 3: SIG_B, 4: SIG_C, 5: SIG_A})
+    assert culprits_headline(decide(three, 100.0, OPTS)) == (
+        "rank 3 on node0 built a different model than ranks 0-2,5 (and 1 more class)"
+    )
+    tie = cohort(4, {0: SIG_A, 1: SIG_A, 2: SIG_B, 3: SIG_B})
+    assert culprits_headline(decide(tie, 100.0, OPTS)) == (
+        "no majority: ranks 0-1 on node0 and ranks 2-3 on node0 built different models; "
+        "compare them to find which one is wrong"
+    )
+
+
+def test_a_job_policy_takes_the_job_id_up_to_its_last_colon_and_needs_one() -> None:
+    from cohortgate.coordinator.decision.checks import Policies
+
+    policies = Policies.parse(per_job=["org:job-1:model=warn"])
+    assert policies.for_job("org:job-1")["model"] == "warn"
+    assert policies.for_job("org")["model"] == "strict"
+    for bad in (":weights=off", "weights=off"):
+        with pytest.raises(ValueError, match="expected JOB:CHECK=LEVEL"):
+            Policies.parse(per_job=[bad])
