@@ -303,3 +303,18 @@ def test_a_job_policy_takes_the_job_id_up_to_its_last_colon_and_needs_one() -> N
     for bad in (":weights=off", "weights=off"):
         with pytest.raises(ValueError, match="expected JOB:CHECK=LEVEL"):
             Policies.parse(per_job=[bad])
+
+
+def test_the_words_reports_are_made_of() -> None:
+    from cohortgate.coordinator.decision.words import all_ranks, hosts
+
+    names = tuple(f"h{i}" for i in range(10))
+    assert hosts(names[:8]) == "h0, h1, h2, h3, h4, h5, h6, h7"  # HOST_CAP: all named
+    assert hosts(names[:9]) == "h0, h1, h2, h3, h4, h5, h6, h7 and 1 more"
+    assert hosts(names) == "h0, h1, h2, h3, h4, h5, h6, h7 and 2 more"
+    assert [all_ranks(n) for n in (1, 2, 3)] == ["the one rank", "both ranks", "all 3 ranks"]
+
+
+def test_a_jobs_own_stall_bound_is_its_own_only() -> None:
+    opts = FormationOptions(stall_after_s=300.0, job_stall_after=(("a", 5.0), ("b", None)))
+    assert [opts.stall_after_for(j) for j in ("a", "b", "c")] == [5.0, None, 300.0]
