@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from cohortgate.coordinator.decision import coverage
@@ -133,18 +134,21 @@ def test_a_large_grid_names_its_overlap_and_its_gap() -> None:
     assert kinds(holed) == ["uncovered"] and "[2:4, 51:54] is held by no rank" in holed[0].detail
 
 
+Int64s = npt.NDArray[np.int64]
+
+
+def as_columns(pieces: list[Piece], dims: int) -> tuple[Int64s, Int64s, Int64s]:
+    """Pieces as the columns the fast paths take: ranks (n,), offsets and lengths (n, dims)."""
+    return (
+        np.array([p.rank for p in pieces], dtype=np.int64),
+        np.array([p.offset for p in pieces], dtype=np.int64).reshape(len(pieces), dims),
+        np.array([p.length for p in pieces], dtype=np.int64).reshape(len(pieces), dims),
+    )
+
+
 def columns(shape: tuple[int, ...], pieces: list[Piece]) -> list[CoverageProblem]:
     """check_arrays (the columns' path, which check() takes from FAST_MIN_PIECES pieces)."""
-    return (
-        check_arrays(
-            "t",
-            shape,
-            np.array([p.rank for p in pieces], dtype=np.int64),
-            np.array([p.offset for p in pieces], dtype=np.int64),
-            np.array([p.length for p in pieces], dtype=np.int64),
-        )
-        or []
-    )
+    return check_arrays("t", shape, *as_columns(pieces, len(shape))) or []
 
 
 def test_off_the_grid_pieces_name_their_tensor_the_overlap_and_the_gap() -> None:
@@ -205,13 +209,7 @@ def test_the_parity_path_alone_names_no_pieces_and_whole_copies() -> None:
     only those off the grid): none at all, one whole piece, two."""
 
     def parity(pieces: list[Piece]) -> list[CoverageProblem]:
-        return coverage._check_parity(
-            "t",
-            (2, 3),
-            np.array([p.rank for p in pieces], dtype=np.int64),
-            np.array([p.offset for p in pieces], dtype=np.int64).reshape(len(pieces), 2),
-            np.array([p.length for p in pieces], dtype=np.int64).reshape(len(pieces), 2),
-        )
+        return coverage._check_parity("t", (2, 3), *as_columns(pieces, 2))
 
     whole = [Piece(4, (0, 0), (2, 3)), Piece(7, (0, 0), (2, 3))]
     assert parity([]) == [CoverageProblem("t", "uncovered", "[0:2, 0:3] is held by no rank", ())]
@@ -228,13 +226,8 @@ def test_the_parity_path_alone_names_no_pieces_and_whole_copies() -> None:
 
 def test_pieces_outside_the_tensor_are_named_twenty_then_counted() -> None:
     def outside(n: int) -> list[CoverageProblem]:
-        pieces = [Piece(r, (8 + r,), (1,)) for r in range(n)]
         return check_columns(
-            "w",
-            (8,),
-            np.array([p.rank for p in pieces], dtype=np.int64),
-            np.array([p.offset for p in pieces], dtype=np.int64),
-            np.array([p.length for p in pieces], dtype=np.int64),
+            "w", (8,), *as_columns([Piece(r, (8 + r,), (1,)) for r in range(n)], 1)
         )
 
     twenty = outside(20)
@@ -251,13 +244,7 @@ def test_pieces_outside_the_tensor_are_named_twenty_then_counted() -> None:
 
 def test_a_negative_offset_or_length_is_outside_the_tensor() -> None:
     def one(offset: int, length: int) -> list[CoverageProblem]:
-        return check_columns(
-            "w",
-            (8,),
-            np.array([5], dtype=np.int64),
-            np.array([[offset]], dtype=np.int64),
-            np.array([[length]], dtype=np.int64),
-        )
+        return check_columns("w", (8,), *as_columns([Piece(5, (offset,), (length,))], 1))
 
     assert [p.kind for p in one(-1, 4)] == ["out_of_bounds"]
     assert [p.kind for p in one(2, -1)] == ["out_of_bounds"]

@@ -233,14 +233,7 @@ def _named_at(
             spans = [f"0:{s}" for s in shape]
             for d, c in zip(kept, cell.tolist(), strict=True):
                 spans[d] = f"{c}:{c + 1}"
-            near = sorted({int(ranks[i]) for i in idx})[:16]
-            gap = CoverageProblem(
-                tensor,
-                "uncovered",
-                f"[{', '.join(spans)}] is held by no rank (neighbouring pieces on ranks "
-                f"{','.join(map(str, near))})",
-                tuple(near),
-            )
+            gap = _unheld(tensor, spans, [int(ranks[i]) for i in idx])
         if overlap is not None and gap is not None:
             break
     return [p for p in (overlap, gap) if p is not None]
@@ -283,25 +276,23 @@ def _missing_cell(
     ranks: Int64s,
     index: Int64s,
 ) -> CoverageProblem:
-    """The grid's cell `cell` (row-major) that no piece holds, named with the ranks of the
-    pieces in the cells beside it (`index`: each piece's cell)."""
-    spans, at, rest = [], [], cell
+    """The grid's cell `cell` (row-major) no piece holds, named with the ranks of the pieces
+    in the cells beside it (`index`: each piece's cell)."""
+    spans: list[str] = []
+    at: list[int] = []
+    rest = cell
     for d in reversed(range(len(cells_per_dim))):
         rest, k = divmod(rest, cells_per_dim[d])
         cuts = _cuts(offsets[:, d], ends[:, d], shape[d])
-        spans.append(f"{int(cuts[k])}:{int(cuts[k + 1])}")
-        at.append(k)
-    region = ", ".join(reversed(spans))
-    at.reverse()
+        spans.insert(0, f"{int(cuts[k])}:{int(cuts[k + 1])}")
+        at.insert(0, k)
     beside = [
         cell + step * math.prod(cells_per_dim[d + 1 :])
         for d in range(len(cells_per_dim))
         for step in (-1, 1)
         if 0 <= at[d] + step < cells_per_dim[d]
     ]
-    near = sorted({int(r) for r in ranks[np.isin(index, beside)]})[:16]
-    said = f" (neighbouring pieces on ranks {','.join(map(str, near))})" if near else ""
-    return CoverageProblem(tensor, "uncovered", f"[{region}] is held by no rank{said}", tuple(near))
+    return _unheld(tensor, spans, ranks[np.isin(index, beside)].tolist())
 
 
 def _check_pieces(
@@ -437,12 +428,16 @@ def _gap(
     spans = [f"{o}:{o + n}" for o, n in zip(fixed_offset, fixed_length, strict=True)]
     spans.append(f"{start}:{end}")
     spans += [f"0:{s}" for s in shape[dim + 1 :]]
+    return _unheld(tensor, spans, [p.rank for p in pieces])
+
+
+def _unheld(tensor: str, spans: Sequence[str], near: Sequence[int]) -> CoverageProblem:
+    """A region no piece holds, named with the ranks of the pieces beside it (16 at most)."""
+    shown = sorted(set(near))[:16]
+    said = f" (neighbouring pieces on ranks {','.join(map(str, shown))})" if shown else ""
+    region = ", ".join(spans)
     return CoverageProblem(
-        tensor,
-        "uncovered",
-        f"[{', '.join(spans)}] is held by no rank (neighbouring pieces on ranks "
-        f"{','.join(str(r) for r in sorted({p.rank for p in pieces})[:16])})",
-        tuple(sorted({p.rank for p in pieces})),
+        tensor, "uncovered", f"[{region}] is held by no rank{said}", tuple(shown)
     )
 
 
