@@ -95,7 +95,6 @@ class _Pending:
     found_at: float
     groups: dict[str, list[_Class]]  # only the groups that differ; reference class first
     asked: dict[int, int]  # rank -> step
-    missing: tuple[int, ...] = ()
 
 
 class CohortAudits:
@@ -225,7 +224,7 @@ class CohortAudits:
             return  # the same divergence, still standing (or its report is on its way)
         self.partition = partition
         asked = {cs[i].ranks[0]: s for cs in groups.values() for i in range(len(cs))}
-        self.pending = _Pending(s, now, groups, asked, absent)
+        self.pending = _Pending(s, now, groups, asked)
         self._maybe_report(now)
 
     def _differing(self, digests: dict[int, bytes]) -> dict[str, list[_Class]]:
