@@ -349,15 +349,19 @@ class CohortProgress:
             return None
         stall = self.stall
         if stall is None:
+            # On every beat call: O(1) checks first. A stall needs a beat past the bound and
+            # a rank answering (none SILENT_S after the last beat, the latest of any rank's).
             bound = self.bound()
-            if bound is None or any(r.done for r in self.ranks.values()):
+            if (
+                bound is None
+                or self.last_seen < self.last_progress + bound
+                or now - self.last_seen >= SILENT_S
+                or any(r.done for r in self.ranks.values())
+            ):
                 return None
-            if self.last_seen < self.last_progress + bound or not self._answering(now):
-                return None  # a stall needs a beat past the bound (which asks again)
             limit = self.pause_limit_s
             paused = [r.paused_since for r in self.ranks.values() if r.paused]
-            # exactly at its end (still "within": a look then finds it paused and asks again,
-            # a moment later); never after, which float rounding could make a moment too late
+            # exactly at its end, never after (float rounding could make that a moment late)
             return max(paused) + limit if self.paused(now) else now
         if stall.told:
             return None  # until a rank moves (a beat)

@@ -75,8 +75,8 @@ class Sweeper:
         every_s: float,
         sweep: Callable[[], None],
         busy: Callable[[], bool],
-        due: Due | None = None,
-        clock: Callable[[], float] | None = None,
+        due: Due,
+        clock: Callable[[], float],
     ) -> None:
         self.what, self.every_s, self.sweep, self.busy = what, every_s, sweep, busy
         self.due, self.clock = due, clock
@@ -89,8 +89,8 @@ class Sweeper:
             return
         loop = asyncio.get_running_loop()
         wait = self.every_s
-        nxt = self.due.next_at() if self.due is not None else None
-        if nxt is not None and self.clock is not None:
+        nxt = self.due.next_at()
+        if nxt is not None:
             wait = min(wait, max(MIN_WAIT_S, nxt - self.clock()))
         when = loop.time() + wait
         if self._timer is not None:
