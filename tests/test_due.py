@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cohortgate.coordinator.decision.audit import CohortAudits, RankAudit
-from cohortgate.coordinator.decision.stall import Beat, CohortProgress, Snapshot
+from cohortgate.coordinator.decision.stall import SILENT_S, Beat, CohortProgress, Snapshot
 from cohortgate.coordinator.decision.verdict import Level
 from cohortgate.coordinator.service.sweeper import Due, Sweeper
 from cohortgate.coordinator.service.watched import Watched
@@ -93,10 +93,32 @@ def test_a_stall_sweep_of_only_the_cohorts_due_finds_what_a_sweep_of_all_finds(
             every.beat(b, t)
             due_only.beat(b, t)
         at = due_only.due(t)
+        for c in (every, due_only):
+            assert_kept_as_scanned(c, t)
         assert due_only.new == every.new
         assert due_only.answer() == every.answer()
         every.new.clear()
         due_only.new.clear()
+
+
+def assert_kept_as_scanned(c: CohortProgress, now: float) -> None:
+    """What `beat` keeps so that `due` is O(1) on every beat call (the ranks done, the latest
+    pause, the asked ranks that have not answered in the order they go silent) is what a pass
+    over every rank finds."""
+    ranks = c.ranks.values()
+    assert c.done_ranks == sum(r.done for r in ranks)
+    limit = c.pause_limit_s
+    assert c.paused(now) == any(r.paused and now - r.paused_since <= limit for r in ranks)
+    pauses = [r.paused_since for r in ranks if r.paused]
+    assert c._latest_pause() == (max(pauses) if pauses else None)
+    stall = c.stall
+    if stall is not None and not stall.told:
+        waiting = [
+            r.seen_at
+            for k, r in c.ranks.items()
+            if now - r.seen_at < SILENT_S and k not in stall.snapshots
+        ]
+        assert stall.next_silent(now) == (min(waiting) if waiting else None)
 
 
 def digest(step: int, odd: bool) -> bytes:

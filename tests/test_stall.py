@@ -13,13 +13,13 @@ from cohortgate.agent import stack
 from cohortgate.coordinator.decision.stall import (
     MIN_AUTO_S,
     SILENT_S,
-    SNAPSHOT_WAIT_S,
     Beat,
     CohortProgress,
     Snapshot,
     StallAnswer,
     stall_bound,
 )
+from cohortgate.coordinator.decision.stall_report import SNAPSHOT_WAIT_S
 from cohortgate.coordinator.decision.verdict import Level
 from cohortgate.coordinator.edge.config import parse_stall_after
 

@@ -12,20 +12,17 @@ Pure: no clock but the one passed in, no I/O. `service/stalls.py` drives it.
 
 from __future__ import annotations
 
+import heapq
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from cohortgate.coordinator.contract import ranges
+from cohortgate.coordinator.decision.stall_report import SNAPSHOT_WAIT_S, stall_words
 from cohortgate.coordinator.decision.verdict import Level
-from cohortgate.coordinator.decision.words import plural
 
 # `auto` stall bound: this many times the cohort's median step time, and at least MIN_AUTO_S.
 AUTO_STEPS = 20
 MIN_AUTO_S = 60.0
-# How long the ranks have to answer a snapshot request before the report goes out without
-# the ones that did not.
-SNAPSHOT_WAIT_S = 5.0
 # A rank that sent nothing (not even an unchanged step) for this long is not answering: a
 # SIGSTOPped or dead process, a lost host. Agents beat every BEAT_S (agent/audit.py).
 SILENT_S = 6.0
@@ -37,11 +34,9 @@ INTERVALS = 64
 STRAGGLER_WINDOW = 8
 STRAGGLER_MIN_STEPS = 8
 STRAGGLERS_SHOWN = 8
-# Frames kept per snapshot (innermost first), and shown per group in the report.
+# Frames kept per snapshot (innermost first); the report (decision/stall_report.py) shows
+# fewer.
 MAX_FRAMES = 32
-SHOWN_FRAMES = 12
-# Groups shown in full in the headline before the rest are counted.
-HEADLINE_GROUPS = 4
 
 
 @dataclass(frozen=True)
@@ -171,6 +166,29 @@ class Stall:
     headline: str = ""
     report: str = ""
     told: bool = False
+    # The ranks asked that have not answered, with their last beat, oldest first (the
+    # coordinator's clock only moves on, so a beat moves its rank to the end): the front is
+    # the next to stop counting as answering. Silent ones are dropped from the front as it
+    # is read, and come back at the end if they beat again.
+    # (An OrderedDict: a plain dict read from the front after deletions there walks them.)
+    waiting: OrderedDict[int, float] = field(default_factory=OrderedDict)
+
+    def next_silent(self, now: float) -> float | None:
+        """The last beat of the asked rank that has answered nothing and will stop counting
+        as answering first (None: every rank answering has answered). Amortised O(1)."""
+        while self.waiting:
+            rank = next(iter(self.waiting))
+            if now - self.waiting[rank] < SILENT_S:
+                return self.waiting[rank]
+            del self.waiting[rank]
+        return None
+
+    def beat(self, rank: int, now: float) -> None:
+        if rank in self.snapshots:
+            self.waiting.pop(rank, None)
+        else:
+            self.waiting[rank] = now
+            self.waiting.move_to_end(rank)
 
 
 def stall_bound(setting: float | None, median_step_s: float | None) -> float | None:
@@ -211,6 +229,11 @@ class CohortProgress:
         # job (a restart, a failover) numbers its stalls past the ones already told.
         self.first_stall_id = first_stall_id
         self.new: list[StallEvent] = []
+        # Kept by `beat` so that `due`, asked on every beat call, is O(1) however many ranks:
+        # the ranks done, and the paused ranks' start times (a lazy max-heap over them).
+        self.done_ranks = 0
+        self._pauses: dict[int, float] = {}
+        self._pause_heap: list[tuple[float, int]] = []
 
     # -- beats -----------------------------------------------------------------------------
     def beat(self, b: Beat, now: float) -> None:
@@ -226,21 +249,40 @@ class CohortProgress:
             r.step, r.reached_at = b.step, reached
             r.mark(b.step, reached)
             self._progress(reached)
+        self.done_ranks += b.done and not r.done
         r.seen_at, r.host, r.done = now, b.host, r.done or b.done
         if b.paused:
             if not r.paused:
                 r.paused_since = now - max(0.0, b.paused_s)
+                self._pause(b.rank, r.paused_since)
             r.paused = b.paused
         elif r.paused:
             r.paused = ""
+            del self._pauses[b.rank]
             self._progress(now)  # a pause ended: its time is not the job's stall
         if b.step > self.top_step:
             if self.top_step >= 0 and reached > self.top_at:
                 self.intervals.append((reached - self.top_at) / (b.step - self.top_step))
             self.top_step, self.top_at = b.step, reached
         stall = self.stall
-        if stall is not None and b.snapshot is not None and b.stall_id == stall.id:
-            stall.snapshots[b.rank] = b.snapshot
+        if stall is not None:
+            if b.snapshot is not None and b.stall_id == stall.id:
+                stall.snapshots[b.rank] = b.snapshot
+            stall.beat(b.rank, now)
+
+    def _pause(self, rank: int, since: float) -> None:
+        self._pauses[rank] = since
+        heapq.heappush(self._pause_heap, (-since, rank))
+        if len(self._pause_heap) > 2 * len(self._pauses) + 64:  # ended pauses piled up
+            self._pause_heap = [(-t, k) for k, t in self._pauses.items()]
+            heapq.heapify(self._pause_heap)
+
+    def _latest_pause(self) -> float | None:
+        """When the latest pause of the ranks paused now began (None: none is)."""
+        heap = self._pause_heap
+        while heap and self._pauses.get(heap[0][1]) != -heap[0][0]:
+            heapq.heappop(heap)  # a pause that ended (or began again since)
+        return -heap[0][0] if heap else None
 
     def _progress(self, at: float) -> None:
         self.last_progress = max(self.last_progress, at)
@@ -287,9 +329,8 @@ class CohortProgress:
     # -- the sweep -------------------------------------------------------------------------
     def paused(self, now: float) -> bool:
         """Some rank is in an on-purpose pause, within the operator's bound."""
-        return any(
-            r.paused and now - r.paused_since <= self.pause_limit_s for r in self.ranks.values()
-        )
+        latest = self._latest_pause()
+        return latest is not None and now - latest <= self.pause_limit_s
 
     def sweep(self, now: float) -> None:
         """Find a stall, or finish one whose snapshots are in."""
@@ -305,28 +346,33 @@ class CohortProgress:
                 # that stopped coming with the steps (a cut link, a job that ended or was
                 # killed) say nothing about the job: unheard is not stalled.
                 or self.last_seen < self.last_progress + bound
-                or not self._answering(now)
+                or now - self.last_seen
+                >= SILENT_S  # no rank answering (the last beat is the latest)
                 or self.paused(now)
-                or any(r.done for r in self.ranks.values())
+                or self.done_ranks
             ):
                 return
+            by_beat = sorted(self.ranks.items(), key=lambda kv: kv[1].seen_at)
             self.stall = Stall(
-                self.first_stall_id + self.stalls, self.last_progress, now, self.top_step
+                self.first_stall_id + self.stalls,
+                self.last_progress,
+                now,
+                self.top_step,
+                waiting=OrderedDict((k, r.seen_at) for k, r in by_beat),
             )
             self.stalls += 1
             return
         if stall.told:
             return
-        answering = self._answering(now)
         waited = now - stall.asked_at >= SNAPSHOT_WAIT_S
-        if not waited and not set(answering) <= set(stall.snapshots):
-            return
+        if not waited and stall.next_silent(now) is not None:
+            return  # ranks answering have not answered yet
         if not stall.snapshots:
             # Asked, and nobody answered: the link went with the question. Not a report of
             # where anyone is; asked again once ranks beat again without progress.
             self.stall = None
             return
-        stall.headline, stall.report = self.words(stall, now)
+        stall.headline, stall.report = stall_words(self, stall, now)
         stall.told = True
         self.new.append(
             StallEvent(
@@ -344,93 +390,31 @@ class CohortProgress:
 
     def due(self, now: float) -> float | None:
         """When a sweep could next change something if no rank beats before (None: only a
-        beat can; every beat asks again). Never later than the sweep that would act."""
+        beat can; every beat asks again). Never later than the sweep that would act. Asked on
+        every beat call: O(1) (amortised) however many ranks the cohort has."""
         if self.level is Level.OFF or not self.ranks:
             return None
         stall = self.stall
         if stall is None:
-            # On every beat call: O(1) checks first. A stall needs a beat past the bound and
-            # a rank answering (none SILENT_S after the last beat, the latest of any rank's).
+            # A stall needs a beat past the bound and a rank answering (none SILENT_S after
+            # the last beat, the latest of any rank's).
             bound = self.bound()
             if (
                 bound is None
                 or self.last_seen < self.last_progress + bound
                 or now - self.last_seen >= SILENT_S
-                or any(r.done for r in self.ranks.values())
+                or self.done_ranks
             ):
                 return None
-            limit = self.pause_limit_s
-            paused = [r.paused_since for r in self.ranks.values() if r.paused]
+            latest = self._latest_pause()
             # exactly at its end, never after (float rounding could make that a moment late)
-            return max(paused) + limit if self.paused(now) else now
+            return latest + self.pause_limit_s if self.paused(now) and latest is not None else now
         if stall.told:
             return None  # until a rank moves (a beat)
-        waiting = [
-            r.seen_at + SILENT_S  # the moment it stops counting as answering
-            for k, r in self.ranks.items()
-            if now - r.seen_at < SILENT_S and k not in stall.snapshots
-        ]
-        return min([stall.asked_at + SNAPSHOT_WAIT_S, *waiting]) if waiting else now
-
-    def _answering(self, now: float) -> list[int]:
-        """The ranks that beat lately (the rest cannot answer: asked nothing of them)."""
-        return [k for k, r in self.ranks.items() if now - r.seen_at < SILENT_S]
-
-    # -- the report ------------------------------------------------------------------------
-    def words(self, stall: Stall, now: float) -> tuple[str, str]:
-        """The stall in one line (groups smallest first) and in full (each group's frames,
-        the steps, what to do). Identical for every rank."""
-        groups: dict[tuple[str, str, str], list[int]] = {}
-        for rank in sorted(stall.snapshots):
-            s = stall.snapshots[rank]
-            groups.setdefault((s.where, s.call, s.via), []).append(rank)
-        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
-        silent = sorted(set(range(self.world_size)) - set(stall.snapshots))
-        parts = [self._group_text(ranks, stall.snapshots[ranks[0]]) for _, ranks in ordered]
-        if len(parts) > HEADLINE_GROUPS:
-            rest = len(parts) - HEADLINE_GROUPS
-            parts = [*parts[:HEADLINE_GROUPS], f"{plural(rest, 'more place')}"]
-        if silent:
-            parts.append(f"no answer from {self._ranks_on(silent)}")
-        head = f"stalled at step {stall.step} for {now - stall.since:.0f} s"
-        headline = f"{head}: {'; '.join(parts)}"
-        lines = [
-            f"job '{self.job_id}' (cohort {self.cohort_id}): no rank reached a new step for "
-            f"{now - stall.since:.0f} s (stall bound {self.bound() or 0:.0f} s)",
-            "",
-        ]
-        for _, ranks in ordered:
-            snap = stall.snapshots[ranks[0]]
-            lines.append(f"{self._group_text(ranks, snap)}:")
-            lines.extend(f"    {f}" for f in snap.frames[:SHOWN_FRAMES])
-            if len(snap.frames) > SHOWN_FRAMES:
-                lines.append(f"    ... {plural(len(snap.frames) - SHOWN_FRAMES, 'more frame')}")
-        if silent:
-            lines.append(
-                f"no answer from {self._ranks_on(silent)} within {SNAPSHOT_WAIT_S:.0f} s "
-                "(a stopped or dead process, or a lost host)"
-            )
-        by_step: dict[int, list[int]] = {}
-        for rank, r in sorted(self.ranks.items()):
-            by_step.setdefault(r.step, []).append(rank)
-        steps = "; ".join(
-            f"{_ranks_word(ranks)} at step {step} "
-            f"({now - max(self.ranks[k].reached_at for k in ranks):.0f} s ago)"
-            for step, ranks in sorted(by_step.items())
-        )
-        lines += ["", f"last steps: {steps}"]
-        lines.append(
-            "look first at the smallest group: the ranks that are somewhere the others are not"
-        )
-        return headline, "\n".join(lines)
-
-    def _group_text(self, ranks: list[int], snap: Snapshot) -> str:
-        return f"{self._ranks_on(ranks)} {snap.text()}"
-
-    def _ranks_on(self, ranks: list[int]) -> str:
-        hosts = sorted({self.hosts.get(r, "") for r in ranks} - {""})
-        where = f" on {hosts[0]}" if len(hosts) == 1 else ""
-        return f"{_ranks_word(ranks)}{where}"
+        silent_next = stall.next_silent(now)  # the moment it stops counting as answering
+        if silent_next is None:
+            return now
+        return min(stall.asked_at + SNAPSHOT_WAIT_S, silent_next + SILENT_S)
 
     def answer(self) -> StallAnswer:
         stall = self.stall
@@ -444,7 +428,3 @@ class CohortProgress:
             report=stall.report,
             stop=self.level is Level.STRICT,
         )
-
-
-def _ranks_word(ranks: list[int]) -> str:
-    return f"{'rank' if len(ranks) == 1 else 'ranks'} {ranges.compress_capped(ranks)}"
