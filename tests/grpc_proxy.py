@@ -1,8 +1,8 @@
 """A gRPC hop in a test: every CohortService call passes through as raw bytes to the
-upstream and back, on the test process's shared loop, and each JoinGroup / JoinPoll request
-is kept as sent. With `older=True` it plays a coordinator that predates rank classes: the
-`ranks` field of a group is dropped on the way up, as an older protobuf parser skips a field
-it does not know."""
+upstream and back, on the test process's shared loop, and each JoinGroup / JoinPoll and Audit
+request is kept as sent. With `older=True` it plays a coordinator that predates rank classes:
+the `ranks` field of a group is dropped on the way up, as an older protobuf parser skips a
+field it does not know."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class GrpcProxy:
         self.upstream = upstream
         self.older = older
         self.groups: list[pb.JoinGroupRequest] = []  # as they arrived, before any change
+        self.audits: list[pb.AuditRequest] = []
         self.port = run_async(self._start(), timeout=30)
         self.addr = f"127.0.0.1:{self.port}"
 
@@ -43,6 +44,8 @@ class GrpcProxy:
         return port
 
     def _up(self, name: str, data: bytes) -> bytes:
+        if name == "Audit":
+            self.audits.append(pb.AuditRequest.FromString(data))
         if name in GROUPS:
             self.groups.append(pb.JoinGroupRequest.FromString(data))
             if self.older:
@@ -106,6 +109,16 @@ class GrpcProxy:
             "both" if g.members and g.ranks else "classes" if g.ranks else "members"
             for g in self.groups
         ]
+
+    def reroute(self, upstream: str) -> None:
+        """From now on, calls go to `upstream` (a coordinator restarted elsewhere)."""
+
+        async def reroute() -> None:
+            old, self.channel = self.channel, grpc.aio.insecure_channel(upstream)
+            self.upstream = upstream
+            await old.close()
+
+        run_async(reroute(), timeout=30)
 
     def stop(self) -> None:
         async def stop() -> None:

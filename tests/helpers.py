@@ -151,6 +151,7 @@ class RankResult:
     upload_error: grpc.RpcError | None = None
     progress: list[pb.Progress] = field(default_factory=list)
     manifest_requests: int = 0
+    digest_requests: list[int] = field(default_factory=list)  # the rank each one named
 
 
 def join_request(
@@ -230,6 +231,8 @@ def run_rank(
                 kind = event.WhichOneof("event")
                 if kind == "progress":
                     result.progress.append(event.progress)
+                elif kind == "digest_request":  # not answered: its ranks' digests go unsent
+                    result.digest_requests.append(event.digest_request.rank)
                 elif kind == "manifest_request":
                     result.manifest_requests += 1
                     sent = upload or manifest

@@ -19,7 +19,6 @@ from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec.groups import members_of
 from cohortgate.coordinator.contract.limits import Limits
-from tests.grpc_proxy import GrpcProxy
 from tests.helpers import (
     InProcessCoordinator,
     join_request,
@@ -29,7 +28,7 @@ from tests.helpers import (
     run_rank,
     wait_until,
 )
-from tests.relays import InProcessRelay
+from tests.relays import InProcessRelay, RelayedNode
 
 FORMED = pb.Verdict.OUTCOME_FORMED
 REFUSED = pb.Verdict.OUTCOME_REFUSED
@@ -37,7 +36,7 @@ REFUSED = pb.Verdict.OUTCOME_REFUSED
 pytestmark = pytest.mark.timeout(90)
 
 
-class Node:
+class Node(RelayedNode):
     """A coordinator, the hop that keeps what the relay sends it, and the node's relay."""
 
     def __init__(
@@ -46,24 +45,16 @@ class Node:
         max_message_bytes: int = Limits.max_message_bytes,
         window_s: float = 2.0,
     ) -> None:
-        self.coordinator = InProcessCoordinator(join_deadline=30, progress_interval=0.2)
-        self.hop = GrpcProxy(self.coordinator.addr)
-        self.relay = InProcessRelay(
-            self.hop.addr,
+        super().__init__(
+            {"join_deadline": 30, "progress_interval": 0.2},
             local_ranks=local_ranks,
             max_message_bytes=max_message_bytes,
             window_s=window_s,
         )
-        self.addr = self.relay.addr
 
     def calls(self) -> list[list[int]]:
         """The ranks of each group the relay sent upstream, in the order sent."""
         return [sorted(m.rank for m in members_of(g)) for g in self.hop.groups]
-
-    def stop(self) -> None:
-        self.relay.stop()
-        self.hop.stop()
-        self.coordinator.stop()
 
 
 @pytest.fixture

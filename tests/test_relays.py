@@ -5,7 +5,6 @@ errors reach every rank, racks of relays join as one call (joins and audits), an
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from tests.helpers import (
     tensors_of,
 )
 from tests.launches import coordinator_process, kill_group, launch
+from tests.relays import audit_step
 
 FORMED = pb.Verdict.OUTCOME_FORMED
 REFUSED = pb.Verdict.OUTCOME_REFUSED
@@ -227,31 +227,6 @@ def _coordinator_of(tmp: Path) -> tuple[str, str]:
     return f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}"
 
 
-def _audit_step(
-    nodes: list[str], audits: dict[int, pb.RankAudit]
-) -> dict[int, pb.AuditReply | grpc.RpcError]:
-    """Each rank's audit through its node relay (ranks 0-1 the first, 2-3 the second), all
-    at once, as a DDP step's ranks send them: each rank's answer, or its error."""
-    channels = {r: grpc.insecure_channel(nodes[r // 2]) for r in audits}
-    start = threading.Barrier(len(audits))
-
-    def one(rank: int) -> pb.AuditReply | grpc.RpcError:
-        stub = pb_grpc.CohortServiceStub(channels[rank])
-        start.wait()
-        try:
-            reply: pb.AuditReply = stub.Audit(pb.AuditRequest(audits=[audits[rank]]), timeout=30)
-            return reply
-        except grpc.RpcError as exc:
-            return exc
-
-    try:
-        with ThreadPoolExecutor(len(audits)) as pool:
-            return dict(zip(audits, pool.map(one, audits), strict=True))
-    finally:
-        for ch in channels.values():
-            ch.close()
-
-
 @pytest.mark.slow
 def test_audits_cross_a_rack_as_one_call_a_step_and_a_bad_one_is_its_ranks_error_only(
     rack: tuple[list[str], int, Path],
@@ -265,7 +240,7 @@ def test_audits_cross_a_rack_as_one_call_a_step_and_a_bad_one_is_its_ranks_error
     addr, metrics_url = _coordinator_of(log.parent)
     v = one_cohort(_through(nodes, "rack-audit", dict.fromkeys(range(4), manifest_of())), FORMED)
     for step in range(3):
-        answers = _audit_step(nodes, {r: rank_audit(v, r, step) for r in range(4)})
+        answers = audit_step(lambda r: nodes[r // 2], {r: rank_audit(v, r, step) for r in range(4)})
         for answer in answers.values():
             assert isinstance(answer, pb.AuditReply), answer
             assert not answer.answers[0].report and not answer.answers[0].tensors_rank
@@ -275,7 +250,9 @@ def test_audits_cross_a_rack_as_one_call_a_step_and_a_bad_one_is_its_ranks_error
 
     # step 3: rank 3's weights changed; rank 1 sends a digest of 5 bytes
     step3 = {r: rank_audit(v, r, 3, odd=r == 3) for r in range(4)}
-    answers = _audit_step(nodes, {**step3, 1: rank_audit(v, 1, 3, digest=b"short")})
+    answers = audit_step(
+        lambda r: nodes[r // 2], {**step3, 1: rank_audit(v, 1, 3, digest=b"short")}
+    )
     bad = answers.pop(1)
     assert isinstance(bad, grpc.RpcError), bad
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
@@ -284,11 +261,13 @@ def test_audits_cross_a_rack_as_one_call_a_step_and_a_bad_one_is_its_ranks_error
         assert isinstance(answer, pb.AuditReply), (rank, answer)
         assert answer.answers[0].cohort_id == v.cohort_id
     # rank 1's step 3 completes the step: the coordinator asks ranks 0 and 3 for tensors
-    (late,) = _audit_step(nodes, {1: step3[1]}).values()
+    (late,) = audit_step(lambda r: nodes[r // 2], {1: step3[1]}).values()
     assert isinstance(late, pb.AuditReply), late
     asked = sorted(zip(late.answers[0].tensors_rank, late.answers[0].tensors_step, strict=True))
     assert asked == [(0, 3), (3, 3)]
-    sent = _audit_step(nodes, {0: tensors_of(v, 0, 3), 3: tensors_of(v, 3, 3, odd="fc.bias")})
+    sent = audit_step(
+        lambda r: nodes[r // 2], {0: tensors_of(v, 0, 3), 3: tensors_of(v, 3, 3, odd="fc.bias")}
+    )
     headline = "replicas diverged at step 3: rank 3 on host0 differs from ranks 0-2 in fc.bias"
     told = [a.answers[0].headline for a in sent.values() if isinstance(a, pb.AuditReply)]
     assert headline in told, sent

@@ -1,0 +1,153 @@
+"""A relay's audits (edge/relay_audits.py) with the relay in the test process, between real
+gRPC clients and a real coordinator, through a hop that keeps each Audit call as the relay
+sent it: a node's ranks' audits go up as one call a step (at once when every local rank's is
+in, after the window when one never comes), each rank answered for its own cohort; one
+rank's bad audit is its error only; an upstream that is down is every rank's error, sent
+once; per-tensor digests go alone; a batch is cut before the coordinator's limit. The same
+paths through relay processes are test_relays.py's; these are where a mutation run sees the
+relay's code."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
+from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
+from cohortgate.coordinator.contract.limits import MAX_AUDITS_PER_CALL
+from tests.helpers import (
+    manifest_of,
+    one_cohort,
+    rank_audit,
+    run_cohort,
+    tensors_of,
+)
+from tests.relays import RelayedNode, audit_step
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Node(RelayedNode):
+    """A coordinator, the hop that keeps each Audit call, and a node relay of 4 local ranks;
+    a job of 4 ranks formed through it (`v`)."""
+
+    def __init__(self, local_ranks: int = 4, audit_window_s: float = 0.5) -> None:
+        super().__init__(
+            {"join_deadline": 30, "audit_timeout": 30},
+            local_ranks=local_ranks,
+            audit_window_s=audit_window_s,
+        )
+        m = manifest_of()
+        results = run_cohort(self.addr, "audits", dict.fromkeys(range(4), m))
+        self.v = one_cohort(results, pb.Verdict.OUTCOME_FORMED)
+
+    def step(self, audits: dict[int, pb.RankAudit]) -> dict[int, pb.AuditReply | grpc.RpcError]:
+        return audit_step(lambda _: self.addr, audits)
+
+    def calls(self) -> list[list[tuple[int, int]]]:
+        """The (rank, step) of each audit of each call the relay sent up, in order."""
+        return [[(a.rank, a.step) for a in req.audits] for req in self.hop.audits]
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node()
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+def answered(replies: dict[int, pb.AuditReply | grpc.RpcError], v: pb.Verdict) -> list[int]:
+    """The ranks answered for their cohort, one answer each."""
+    ok = []
+    for rank, reply in replies.items():
+        assert isinstance(reply, pb.AuditReply), (rank, reply)
+        assert [a.cohort_id for a in reply.answers] == [v.cohort_id], (rank, reply)
+        ok.append(rank)
+    return sorted(ok)
+
+
+def test_a_nodes_audits_go_up_as_one_call_a_step_and_a_bad_one_is_its_ranks_error_only(
+    node: Node,
+) -> None:
+    v = node.v
+    for step in range(2):
+        assert answered(node.step({r: rank_audit(v, r, step) for r in range(4)}), v) == [0, 1, 2, 3]
+    assert [sorted(c) for c in node.calls()] == [[(r, s) for r in range(4)] for s in range(2)]
+
+    # step 2: rank 3's weights changed; rank 1 sends a digest of 5 bytes, which spoils the
+    # batch at the coordinator: each rank's request goes again alone
+    step2 = {r: rank_audit(v, r, 2, odd=r == 3) for r in range(4)}
+    replies = node.step({**step2, 1: rank_audit(v, 1, 2, digest=b"short")})
+    bad = replies.pop(1)
+    assert isinstance(bad, grpc.RpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "digest" in (bad.details() or ""), bad.details()
+    assert answered(replies, v) == [0, 2, 3]
+    assert sorted(len(c) for c in node.calls()[2:]) == [1, 1, 1, 1, 4]
+
+    # rank 1's good audit completes step 2: ranks 0 and 3 are asked for their tensors,
+    # which go up alone (a few MB each), and the divergence is named
+    (late,) = node.step({1: step2[1]}).values()
+    assert isinstance(late, pb.AuditReply)
+    asked = sorted(zip(late.answers[0].tensors_rank, late.answers[0].tensors_step, strict=True))
+    assert asked == [(0, 2), (3, 2)]
+    before = len(node.calls())
+    told = node.step({0: tensors_of(v, 0, 2), 3: tensors_of(v, 3, 2, odd="fc.bias")})
+    assert sorted(node.calls()[before:]) == [[(0, 2)], [(3, 2)]]
+    headline = "replicas diverged at step 2: rank 3 on host0 differs from ranks 0-2 in fc.bias"
+    heard = [r.answers[0].headline for r in told.values() if isinstance(r, pb.AuditReply)]
+    assert headline in heard, told
+
+
+def test_a_rank_that_never_audits_holds_its_node_only_for_the_window(node: Node) -> None:
+    v = node.v
+    assert answered(node.step({r: rank_audit(v, r, 0) for r in range(3)}), v) == [0, 1, 2]
+    assert [sorted(c) for c in node.calls()] == [[(0, 0), (1, 0), (2, 0)]]
+
+
+def test_an_upstream_that_is_down_is_every_ranks_error_sent_once(node: Node) -> None:
+    node.coordinator.stop()
+    replies = node.step({r: rank_audit(node.v, r, 0) for r in range(4)})
+    for rank, reply in replies.items():
+        assert isinstance(reply, grpc.RpcError), (rank, reply)
+        assert reply.code() == grpc.StatusCode.UNAVAILABLE, (rank, reply.details())
+    assert len(node.calls()) == 1, "an error that is no one request's is not sent again alone"
+
+
+def test_audits_of_several_jobs_in_one_request_go_up_alone_for_the_coordinator_to_refuse(
+    node: Node,
+) -> None:
+    a, b = rank_audit(node.v, 0, 0), rank_audit(node.v, 1, 0, job_id="another")
+    with grpc.insecure_channel(node.addr) as ch, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.CohortServiceStub(ch).Audit(pb.AuditRequest(audits=[a, b]), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert node.calls() == [[(0, 0), (1, 0)]]
+
+
+def test_a_batch_is_cut_before_it_passes_the_coordinators_limit_on_audits_per_call() -> None:
+    """A rack relay: two requests of 600 audits each (ranks that queued many steps while the
+    coordinator was away) would make one call of 1,200, past the limit: the first goes up
+    as soon as the second would pass it, and both are answered."""
+    node = Node(local_ranks=4096, audit_window_s=5.0)
+    try:
+        v = node.v
+        requests = [
+            pb.AuditRequest(audits=[rank_audit(v, r, s) for s in steps for r in range(4)])
+            for steps in (range(0, 150), range(150, 300))
+        ]
+        assert 600 + 600 > MAX_AUDITS_PER_CALL >= 600
+        with grpc.insecure_channel(node.addr) as ch, ThreadPoolExecutor(2) as pool:
+            stub = pb_grpc.CohortServiceStub(ch)
+            first = pool.submit(stub.Audit, requests[0], timeout=30)
+            time.sleep(0.3)  # the first is held for the rack's other ranks
+            second = pool.submit(stub.Audit, requests[1], timeout=30)
+            replies = [first.result(), second.result()]
+        assert [[a.cohort_id for a in r.answers] for r in replies] == [[v.cohort_id]] * 2
+        assert [len(c) for c in node.calls()] == [600, 600]
+    finally:
+        node.stop()
