@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from cohortgate.coordinator.contract.errors import FailedPrecondition, LimitExceeded
-from cohortgate.coordinator.service.watched import Watched
+from cohortgate.coordinator.service.watched import EVICT_EVERY_S, Watched
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,3 +62,21 @@ def test_past_the_limit_idle_cohorts_make_room_and_busy_ones_refuse_the_next() -
         watched.take("c3", "c3", 1, 210.0, lambda h: Tracked("c3", h, 210.0))
     assert str(raised.value) == "2 cohorts are audited at once; no more are taken now"
     assert watched.evict(400.0, 100.0) and watched.cohorts == {} and sizes[-1] == 0
+
+
+def test_a_sweep_looks_at_the_cohorts_due_and_forgets_the_idle_ones_every_evict_every_s() -> None:
+    watched, _, gone = table(limit=3)
+    watched.take("c0", "c0", 1, 0.0, lambda h: Tracked("c0", h, 0.0))
+    watched.due.set("c0", 5.0)
+    looked: list[tuple[str, float]] = []
+
+    def look(c: Tracked) -> float | None:
+        looked.append((c.cohort_id, now))
+        return None
+
+    for now in (1.0, 5.0, 1.0 + EVICT_EVERY_S - 0.5):
+        watched.sweep(now, look, idle_s=2.0)
+    assert looked == [("c0", 5.0)], "looked at once, when due"
+    assert gone == [] and "c0" in watched.cohorts, "idle, but not yet EVICT_EVERY_S on"
+    watched.sweep(1.0 + EVICT_EVERY_S, look, idle_s=2.0)
+    assert gone == [["c0"]] and watched.cohorts == {}

@@ -28,7 +28,6 @@ from cohortgate.coordinator.state.base import VerdictStore
 log = structlog.get_logger("cohortgate")
 
 SWEEP_S = 1.0  # the upkeep (eviction) at most this far apart
-EVICT_EVERY_S = 10.0
 # A cohort nobody audited for this long is forgotten (its findings stay in the history).
 IDLE_S = 6 * 3600.0
 MAX_AUDITED = 10_000  # cohorts audited at once
@@ -54,7 +53,6 @@ class Audits:
         )
         self.cohorts = self.watched.cohorts
         self.due = self.watched.due
-        self._evicted_at = clock()
         self.sweeper = Sweeper(
             "audit", SWEEP_S, self.sweep, lambda: bool(self.cohorts), self.due, clock
         )
@@ -139,7 +137,7 @@ class Audits:
 
     # -- sweeping --------------------------------------------------------------------------
     def sweep(self) -> None:
-        """The cohorts whose time came; every EVICT_EVERY_S, those idle too long go."""
+        """The cohorts whose time came, and (`Watched.sweep`) those idle for IDLE_S."""
         now, timeout = self.clock(), self.options.audit_timeout_s
 
         def look(c: CohortAudits) -> float | None:
@@ -147,10 +145,7 @@ class Audits:
             self._drain(c)
             return c.due(timeout)
 
-        self.watched.look_due(now, look)
-        if now - self._evicted_at >= EVICT_EVERY_S:
-            self._evicted_at = now
-            self.watched.evict(now, IDLE_S)
+        self.watched.sweep(now, look, IDLE_S)
 
     def close(self) -> None:
         self.sweeper.close()

@@ -32,7 +32,6 @@ from cohortgate.coordinator.state.base import VerdictStore
 log = structlog.get_logger("cohortgate")
 
 SWEEP_S = 1.0  # the upkeep (eviction, stragglers) at most this far apart
-EVICT_EVERY_S = 10.0
 # Stragglers are found this often (a pass over every rank of every watched job: at 100k ranks
 # tens of milliseconds, not to be paid on the event loop every second).
 STRAGGLERS_EVERY_S = 10.0
@@ -66,7 +65,6 @@ class Stalls:
         self.stragglers: dict[str, list[Straggler]] = {}  # by cohort id, as last found
         self._stragglers_at = -STRAGGLERS_EVERY_S
         self.due = self.watched.due
-        self._evicted_at = clock()
         self.sweeper = Sweeper(
             "stall", SWEEP_S, self.sweep, lambda: bool(self.cohorts), self.due, clock
         )
@@ -133,7 +131,7 @@ class Stalls:
 
     # -- sweeping --------------------------------------------------------------------------
     def sweep(self) -> None:
-        """The cohorts whose time came; every EVICT_EVERY_S, those idle too long go; every
+        """The cohorts whose time came, and (`Watched.sweep`) those idle for IDLE_S; every
         STRAGGLERS_EVERY_S, the stragglers of every cohort are found again."""
         now = self.clock()
 
@@ -142,10 +140,7 @@ class Stalls:
             self._drain(c)
             return c.due(now)
 
-        self.watched.look_due(now, look)
-        if now - self._evicted_at >= EVICT_EVERY_S:
-            self._evicted_at = now
-            self.watched.evict(now, IDLE_S)
+        self.watched.sweep(now, look, IDLE_S)
         if now - self._stragglers_at >= STRAGGLERS_EVERY_S:
             self._stragglers_at = now
             ratio = self.options.straggler_ratio

@@ -26,6 +26,10 @@ class LastSeen(Protocol):
 T = TypeVar("T", bound=LastSeen)
 
 
+# How often a sweep forgets the cohorts gone idle.
+EVICT_EVERY_S = 10.0
+
+
 class Watched(Generic[T]):
     """`noun`: what a call brings ("audit", "step mark"); `participle`: what the table does
     to cohorts ("audited", "watched"), for the errors; `sized(n)` after every change,
@@ -44,6 +48,7 @@ class Watched(Generic[T]):
     ) -> None:
         self.cohorts: dict[str, T] = {}
         self.due = Due()  # when each next needs a look (service/sweeper.py)
+        self._evicted_at: float | None = None
         self.limit, self.room_idle_s = limit, room_idle_s
         self.formed: Formed = formed or (lambda job_id, round_: None)
         self.noun, self.participle, self.sized, self.evicted = noun, participle, sized, evicted
@@ -90,6 +95,16 @@ class Watched(Generic[T]):
         if out:
             self.evicted(out)
         return out
+
+    def sweep(self, now: float, look: Callable[[T], float | None], idle_s: float) -> None:
+        """A sweep: the cohorts whose time came (`look_due`), and every EVICT_EVERY_S the
+        cohorts nobody called about for `idle_s` forgotten."""
+        self.look_due(now, look)
+        if self._evicted_at is None:
+            self._evicted_at = now
+        elif now - self._evicted_at >= EVICT_EVERY_S:
+            self._evicted_at = now
+            self.evict(now, idle_s)
 
     def look_due(self, now: float, look: Callable[[T], float | None]) -> None:
         """Look at the cohorts whose time came: `look(c)` acts on one and says when it is
