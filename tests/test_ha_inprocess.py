@@ -169,3 +169,22 @@ def test_a_leader_that_cannot_renew_its_lease_stops_admitting_by_its_own_clock(
             wait_until("it admits again", lambda: not refuses(c.addr), 30)
         finally:
             c.stop()
+
+
+def test_a_relay_given_the_standby_first_follows_it_to_the_leader_and_its_ranks_form(
+    pair: tuple[InProcessCoordinator, InProcessCoordinator],
+) -> None:
+    """`relay --upstream standby,leader`: the standby's refusal names the leader, the relay
+    moves its upstream there at once (no rank hears the refusal) and the node's ranks form;
+    its later calls go to the leader first."""
+    from tests.relays import InProcessRelay
+
+    leader, standby = pair
+    relay = InProcessRelay(f"{standby.addr},{leader.addr}", local_ranks=2)
+    try:
+        m = manifest_of()
+        one_cohort(run_cohort(relay.addr, "follow", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+        assert relay.relay.upstream == leader.addr
+        one_cohort(run_cohort(relay.addr, "again", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+    finally:
+        relay.stop()

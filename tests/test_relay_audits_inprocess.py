@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -129,18 +130,24 @@ def test_audits_of_several_jobs_in_one_request_go_up_alone_for_the_coordinator_t
     assert node.calls() == [[(0, 0), (1, 0)]]
 
 
-def test_a_batch_is_cut_before_it_passes_the_coordinators_limit_on_audits_per_call() -> None:
+@pytest.mark.parametrize(("steps", "calls"), [(150, [600, 600]), (128, [1024])])
+def test_a_batch_is_cut_before_it_passes_the_coordinators_limit_on_audits_per_call(
+    steps: int, calls: list[int]
+) -> None:
     """A rack relay: two requests of 600 audits each (ranks that queued many steps while the
     coordinator was away) would make one call of 1,200, past the limit: the first goes up
-    as soon as the second would pass it, and both are answered."""
-    node = Node(local_ranks=4096, audit_window_s=5.0)
+    as soon as the second would pass it, and both are answered. Two of 512 make one call of
+    1,024, the limit itself."""
+    node = Node(local_ranks=4096, audit_window_s=2.0)
     try:
         v = node.v
         requests = [
-            pb.AuditRequest(audits=[rank_audit(v, r, s) for s in steps for r in range(4)])
-            for steps in (range(0, 150), range(150, 300))
+            pb.AuditRequest(
+                audits=[rank_audit(v, r, s) for s in range(first, first + steps) for r in range(4)]
+            )
+            for first in (0, steps)
         ]
-        assert 600 + 600 > MAX_AUDITS_PER_CALL >= 600
+        assert MAX_AUDITS_PER_CALL == 1024
         with grpc.insecure_channel(node.addr) as ch, ThreadPoolExecutor(2) as pool:
             stub = pb_grpc.CohortServiceStub(ch)
             first = pool.submit(stub.Audit, requests[0], timeout=30)
@@ -148,6 +155,71 @@ def test_a_batch_is_cut_before_it_passes_the_coordinators_limit_on_audits_per_ca
             second = pool.submit(stub.Audit, requests[1], timeout=30)
             replies = [first.result(), second.result()]
         assert [[a.cohort_id for a in r.answers] for r in replies] == [[v.cohort_id]] * 2
-        assert [len(c) for c in node.calls()] == [600, 600]
+        assert [len(c) for c in node.calls()] == calls
     finally:
         node.stop()
+
+
+def test_each_ranks_token_goes_up_with_its_audits_and_two_jobs_never_share_a_call(
+    tmp_path: Path,
+) -> None:
+    """Job-scoped tokens: two one-rank jobs audit through one relay at once, each with its
+    own token: each batch goes up with its own job's token (one call with the other's would
+    be refused for the other job), as does a request sent up alone (per-tensor digests)."""
+    from tests.test_security import TOKEN_A, TOKEN_B, bearer, join_once
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN_A} job-a\n{TOKEN_B} job-b\n")
+    node = RelayedNode({"join_deadline": 30, "tokens_file": tokens}, local_ranks=4)
+    try:
+        with grpc.insecure_channel(node.addr) as ch:
+            v = {
+                t: join_once(ch, job, bearer(t))
+                for t, job in ((TOKEN_A, "job-a"), (TOKEN_B, "job-b"))
+            }
+            stub = pb_grpc.CohortServiceStub(ch)
+            with ThreadPoolExecutor(2) as pool:
+                replies = list(
+                    pool.map(
+                        lambda t: stub.Audit(
+                            pb.AuditRequest(audits=[rank_audit(v[t], 0, 1)]),
+                            timeout=10,
+                            metadata=bearer(t),
+                        ),
+                        v,
+                    )
+                )
+            assert [[a.cohort_id for a in r.answers] for r in replies] == [
+                [v[TOKEN_A].cohort_id],
+                [v[TOKEN_B].cohort_id],
+            ]
+            assert sorted(len(r.audits) for r in node.hop.audits) == [1, 1], "one call a job"
+            alone = stub.Audit(
+                pb.AuditRequest(audits=[tensors_of(v[TOKEN_A], 0, 1)]),
+                timeout=10,
+                metadata=bearer(TOKEN_A),
+            )
+            assert [a.cohort_id for a in alone.answers] == [v[TOKEN_A].cohort_id]
+            # a call with a token that is no token is never sent up with another's
+            tokens_sent = [bearer(TOKEN_A), bearer("no-such-token-0123456789")]
+            with ThreadPoolExecutor(2) as pool:
+                good, bad = pool.map(
+                    lambda md: _reply_or_error(stub, rank_audit(v[TOKEN_A], 0, 2), md), tokens_sent
+                )
+            assert isinstance(good, pb.AuditReply), good
+            assert isinstance(bad, grpc.RpcError), bad
+            assert bad.code() == grpc.StatusCode.UNAUTHENTICATED, bad.details()
+    finally:
+        node.stop()
+
+
+def _reply_or_error(
+    stub: pb_grpc.CohortServiceStub, audit: pb.RankAudit, metadata: list[tuple[str, str]]
+) -> pb.AuditReply | grpc.RpcError:
+    try:
+        reply: pb.AuditReply = stub.Audit(
+            pb.AuditRequest(audits=[audit]), timeout=10, metadata=metadata
+        )
+        return reply
+    except grpc.RpcError as exc:
+        return exc

@@ -89,6 +89,13 @@ def test_ranks_held_while_the_coordinator_is_gone_form_on_the_one_that_answers_n
             node.hop.reroute(second.addr)
             results = [f.result() for f in futures]
         one_cohort(results, FORMED)
+        told = [p.message for p in results[0].progress if "lost the coordinator" in p.message]
+        assert told, "rank 0 (loud) is told why it waits"
+        assert told[0].startswith(f"the relay lost the coordinator at {node.hop.addr} (") and told[
+            0
+        ].endswith(
+            "); it holds this node's ranks and re-joins them once it answers (unreachable for 0s)"
+        ), told[0]
     finally:
         node.stop()
         second.stop()
