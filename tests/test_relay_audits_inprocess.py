@@ -105,10 +105,25 @@ def test_a_nodes_audits_go_up_as_one_call_a_step_and_a_bad_one_is_its_ranks_erro
     assert headline in heard, told
 
 
-def test_a_rank_that_never_audits_holds_its_node_only_for_the_window(node: Node) -> None:
-    v = node.v
-    assert answered(node.step({r: rank_audit(v, r, 0) for r in range(3)}), v) == [0, 1, 2]
-    assert [sorted(c) for c in node.calls()] == [[(0, 0), (1, 0), (2, 0)]]
+def test_a_nodes_batch_goes_up_once_every_local_ranks_audit_is_in_not_at_the_window() -> None:
+    """A window past the calls' 30 s deadline: only the fourth rank's audit sends the batch."""
+    node = Node(audit_window_s=120.0)
+    try:
+        v = node.v
+        assert answered(node.step({r: rank_audit(v, r, 0) for r in range(4)}), v) == [0, 1, 2, 3]
+        assert len(node.calls()) == 1
+    finally:
+        node.stop()
+
+
+def test_a_rank_that_never_audits_holds_its_node_only_for_the_window() -> None:
+    node = Node(audit_window_s=0.5)
+    try:
+        v = node.v
+        assert answered(node.step({r: rank_audit(v, r, 0) for r in range(3)}), v) == [0, 1, 2]
+        assert [sorted(c) for c in node.calls()] == [[(0, 0), (1, 0), (2, 0)]]
+    finally:
+        node.stop()
 
 
 def test_an_upstream_that_is_down_is_every_ranks_error_sent_once(node: Node) -> None:
