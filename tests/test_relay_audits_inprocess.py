@@ -80,6 +80,7 @@ def test_a_nodes_audits_go_up_as_one_call_a_step_and_a_bad_one_is_its_ranks_erro
     for step in range(2):
         assert answered(node.step({r: rank_audit(v, r, step) for r in range(4)}), v) == [0, 1, 2, 3]
     assert [sorted(c) for c in node.calls()] == [[(r, s) for r in range(4)] for s in range(2)]
+    assert not node.relay.relay.audits._tasks, "a batch sent is not kept"
 
     # step 2: rank 3's weights changed; rank 1 sends a digest of 5 bytes, which spoils the
     # batch at the coordinator: each rank's request goes again alone
@@ -122,6 +123,23 @@ def test_a_rank_that_never_audits_holds_its_node_only_for_the_window() -> None:
         v = node.v
         assert answered(node.step({r: rank_audit(v, r, 0) for r in range(3)}), v) == [0, 1, 2]
         assert [sorted(c) for c in node.calls()] == [[(0, 0), (1, 0), (2, 0)]]
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_bad_audit_in_a_batch_of_one_or_two_ranks_is_its_ranks_error_only(ranks: int) -> None:
+    """Rank 0's audit has a digest of 5 bytes: alone in its batch, its call is not sent
+    again; beside rank 1's, each goes again alone and rank 1 is answered."""
+    node = Node(audit_window_s=0.5)
+    try:
+        v = node.v
+        audits = {r: rank_audit(v, r, 0) for r in range(ranks)}
+        replies = node.step({**audits, 0: rank_audit(v, 0, 0, digest=b"short")})
+        bad = replies.pop(0)
+        assert isinstance(bad, grpc.RpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert answered(replies, v) == list(range(1, ranks))
+        assert sorted(len(c) for c in node.calls()) == ([1] if ranks == 1 else [1, 1, 2])
     finally:
         node.stop()
 
