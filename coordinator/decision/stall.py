@@ -344,10 +344,10 @@ class CohortProgress:
                 or now - self.last_progress < bound
                 # Ranks that still beat, past the bound, and show no new step: a stall. Marks
                 # that stopped coming with the steps (a cut link, a job that ended or was
-                # killed) say nothing about the job: unheard is not stalled.
+                # killed) say nothing about the job: unheard is not stalled. No rank answering:
+                # none beat SILENT_S before now (the last beat is the latest of any rank's).
                 or self.last_seen < self.last_progress + bound
-                or now - self.last_seen
-                >= SILENT_S  # no rank answering (the last beat is the latest)
+                or now - self.last_seen >= SILENT_S
                 or self.paused(now)
                 or self.done_ranks
             ):
