@@ -175,16 +175,19 @@ def test_a_relay_given_the_standby_first_follows_it_to_the_leader_and_its_ranks_
     pair: tuple[InProcessCoordinator, InProcessCoordinator],
 ) -> None:
     """`relay --upstream standby,leader`: the standby's refusal names the leader, the relay
-    moves its upstream there at once (no rank hears the refusal) and the node's ranks form;
-    its later calls go to the leader first."""
+    moves its upstream there at once (no rank hears the refusal, nor of an outage) and the
+    node's ranks form; its later calls go to the leader first."""
     from tests.relays import InProcessRelay
 
     leader, standby = pair
     relay = InProcessRelay(f"{standby.addr},{leader.addr}", local_ranks=2)
     try:
         m = manifest_of()
-        one_cohort(run_cohort(relay.addr, "follow", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+        results = run_cohort(relay.addr, "follow", {0: m, 1: m})
+        one_cohort(results, pb.Verdict.OUTCOME_FORMED)
         assert relay.relay.upstream == leader.addr
+        said = [p.message for r in results for p in r.progress]
+        assert not [s for s in said if "lost the coordinator" in s], "a standby is no outage"
         one_cohort(run_cohort(relay.addr, "again", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
     finally:
         relay.stop()
