@@ -153,14 +153,18 @@ def test_an_upstream_that_is_down_is_every_ranks_error_sent_once(node: Node) -> 
     assert len(node.calls()) == 1, "an error that is no one request's is not sent again alone"
 
 
-def test_audits_of_several_jobs_in_one_request_go_up_alone_for_the_coordinator_to_refuse(
+def test_requests_the_coordinator_refuses_whole_go_up_alone_and_its_words_come_back(
     node: Node,
 ) -> None:
+    """Audits of two jobs in one request, and a request of none: sent up as they came (the
+    coordinator says what is wrong with each), not batched."""
     a, b = rank_audit(node.v, 0, 0), rank_audit(node.v, 1, 0, job_id="another")
-    with grpc.insecure_channel(node.addr) as ch, pytest.raises(grpc.RpcError) as caught:
-        pb_grpc.CohortServiceStub(ch).Audit(pb.AuditRequest(audits=[a, b]), timeout=10)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert node.calls() == [[(0, 0), (1, 0)]]
+    for audits, said in (([a, b], "not a cohort of job 'another'"), ([], "holds no audits")):
+        with grpc.insecure_channel(node.addr) as ch, pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.CohortServiceStub(ch).Audit(pb.AuditRequest(audits=audits), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert said in (caught.value.details() or ""), caught.value.details()
+    assert node.calls() == [[(0, 0), (1, 0)], []]
 
 
 @pytest.mark.parametrize(("steps", "calls"), [(150, [600, 600]), (128, [1024])])
@@ -233,11 +237,20 @@ def test_each_ranks_token_goes_up_with_its_audits_and_two_jobs_never_share_a_cal
                 metadata=bearer(TOKEN_A),
             )
             assert [a.cohort_id for a in alone.answers] == [v[TOKEN_A].cohort_id]
+            # a bad audit beside a good one: each goes again alone, with its token
+            with ThreadPoolExecutor(2) as pool:
+                good, bad = pool.map(
+                    lambda audit: _reply_or_error(stub, audit, bearer(TOKEN_A)),
+                    [rank_audit(v[TOKEN_A], 0, 2), rank_audit(v[TOKEN_A], 0, 3, digest=b"short")],
+                )
+            assert isinstance(good, pb.AuditReply), good
+            assert isinstance(bad, grpc.RpcError), bad
+            assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.details()
             # a call with a token that is no token is never sent up with another's
             tokens_sent = [bearer(TOKEN_A), bearer("no-such-token-0123456789")]
             with ThreadPoolExecutor(2) as pool:
                 good, bad = pool.map(
-                    lambda md: _reply_or_error(stub, rank_audit(v[TOKEN_A], 0, 2), md), tokens_sent
+                    lambda md: _reply_or_error(stub, rank_audit(v[TOKEN_A], 0, 4), md), tokens_sent
                 )
             assert isinstance(good, pb.AuditReply), good
             assert isinstance(bad, grpc.RpcError), bad

@@ -89,8 +89,10 @@ def test_ranks_held_while_the_coordinator_is_gone_form_on_the_one_that_answers_n
             node.hop.reroute(second.addr)
             results = [f.result() for f in futures]
         one_cohort(results, FORMED)
-        told = [p.message for p in results[0].progress if "lost the coordinator" in p.message]
-        assert told, "rank 0 (loud) is told why it waits"
+        outage = [p for p in results[0].progress if "lost the coordinator" in p.message]
+        assert outage, "rank 0 (loud) is told why it waits"
+        assert (outage[0].job_id, outage[0].round, outage[0].expected) == ("held", 0, 2)
+        told = [p.message for p in outage]
         assert told[0].startswith(f"the relay lost the coordinator at {node.hop.addr} (") and told[
             0
         ].endswith(
