@@ -72,8 +72,8 @@ def test_a_current_upstream_that_refuses_a_group_for_another_reason_is_not_taken
 
 def test_ranks_held_while_the_coordinator_is_gone_form_on_the_one_that_answers_next() -> None:
     """The coordinator goes away (its hop then answers UNAVAILABLE): the relay holds the
-    node's ranks, no rank hears an error, and once a coordinator answers again (another
-    process behind the same address) they join it and form."""
+    node's ranks through five refused tries, no rank hears an error, and once a coordinator
+    answers again (another process behind the same address) they join it and form."""
     node = RelayedNode({"join_deadline": 30}, local_ranks=2, window_s=0.2)
     node.coordinator.stop()
     second = InProcessCoordinator(join_deadline=30)
@@ -84,7 +84,8 @@ def test_ranks_held_while_the_coordinator_is_gone_form_on_the_one_that_answers_n
                 pool.submit(run_rank, node.addr, join_request("held", r, 2, m), m, 60.0)
                 for r in range(2)
             ]
-            wait_until("the group refused upstream", lambda: node.hop.groups, 20)
+            # five tries refused (0.2 + 0.5 + 1 + 1 s apart): an outage of some seconds
+            wait_until("the group refused upstream 5 times", lambda: len(node.hop.groups) >= 5, 20)
             assert not any(f.done() for f in futures), "a rank heard the outage"
             node.hop.reroute(second.addr)
             results = [f.result() for f in futures]
