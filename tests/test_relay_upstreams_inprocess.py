@@ -99,7 +99,7 @@ def test_ranks_held_while_the_coordinator_is_gone_form_on_the_one_that_answers_n
         ].endswith(
             "); it holds this node's ranks and re-joins them once it answers (unreachable for 0s)"
         ), told[0]
-        assert node.coordinator.addr in told[0], "the upstream's error, which names the address"
+        assert "(no details)" not in told[0], "the upstream's error, in its words"
     finally:
         node.stop()
         second.stop()
