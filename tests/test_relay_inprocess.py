@@ -235,3 +235,15 @@ def test_a_relay_speaks_tls_both_ways_and_presents_its_certificate_upstream(pki:
     finally:
         relay.stop()
         coordinator.stop()
+
+
+def test_the_next_run_of_a_job_batches_afresh_once_a_verdict_went_out(node: Node) -> None:
+    """Two runs of one job id through the node relay, one after the other: each goes up as one
+    group of the node's four ranks (the first run's ranks sent do not count toward the
+    second's group)."""
+    m = manifest_of()
+    for launch in ("tcp://first:29500", "tcp://second:29500"):
+        one_cohort(
+            run_cohort(node.addr, "twice", dict.fromkeys(range(4), m), launch=launch), FORMED
+        )
+    assert node.calls() == [[0, 1, 2, 3], [0, 1, 2, 3]]
