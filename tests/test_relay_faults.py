@@ -100,7 +100,14 @@ def test_a_frozen_rank_behind_a_relay_is_dropped_within_the_grace_and_its_restar
             wait_until("the node's live rank back", lambda: holds(c, "frozen", 0), 3.0)
             restarted = pool.submit(run_rank, relay, join_request("frozen", 1, 3, m), m, 60)
             last = run_rank(c.addr, join_request("frozen", 2, 3, m), m, 60)
-            results = [first.result(timeout=30), restarted.result(timeout=30), last]
+            try:
+                results = [first.result(timeout=30), restarted.result(timeout=30), last]
+            except TimeoutError as exc:  # failed once in a full run: say what to look at
+                raise AssertionError(
+                    "ranks 0-1 (behind the relay) had no verdict 30 s after rank 2 (direct) "
+                    f"returned with {last.verdict or last.error}; the relay's log: "
+                    f"{log.read_text()[-3000:]}"
+                ) from exc
         said = [e["event"] for e in log_events(log)]
     finally:
         if frozen is not None:
