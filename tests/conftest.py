@@ -30,7 +30,36 @@ for _kind in ("STATE", "CACHE", "CONFIG", "DATA"):
 # Hypothesis keeps its example database, constants cache and failure patches in
 # ./.hypothesis by default: the checkout. They go to the sandbox too (a failing example is
 # printed in full, so nothing needed for a rerun is lost).
+import functools  # noqa: E402
+from typing import Any  # noqa: E402
+
+import grpc  # noqa: E402
 import hypothesis.configuration  # noqa: E402
+
+# Every channel the test process opens (the tests', their helpers', the in-process relays'
+# and hops') gets a subchannel pool of its own. grpc shares subchannels by address across a
+# process's channels; a worker starts and stops hundreds of in-process servers on ports the
+# kernel hands out again, so a new channel to a new server could share an earlier channel's
+# subchannel to a stopped one, in back-off, and fail at once with its stale "Connection
+# refused" while the new server listens (two full runs failed so, on different tests).
+
+
+def _own_subchannels(open_channel: Any, at: int) -> Any:
+    """`open_channel` with the option added; `at`: where its options come positionally."""
+
+    @functools.wraps(open_channel)
+    def opened(*args: Any, **kw: Any) -> Any:
+        if len(args) > at:
+            args, kw = args[:at], {**kw, "options": args[at]}
+        own = [*(kw.pop("options", None) or ()), ("grpc.use_local_subchannel_pool", 1)]
+        return open_channel(*args, options=own, **kw)
+
+    return opened
+
+
+for _module in (grpc, grpc.aio):
+    for _name, _at in (("insecure_channel", 1), ("secure_channel", 2)):
+        setattr(_module, _name, _own_subchannels(getattr(_module, _name), _at))
 
 hypothesis.configuration.set_hypothesis_home_dir(str(SANDBOX_HOME / ".hypothesis"))
 
