@@ -2,7 +2,9 @@
 upstream and back, on the test process's shared loop, and each JoinGroup / JoinPoll and Audit
 request is kept as sent. With `older=True` it plays a coordinator that predates rank classes:
 the `ranks` field of a group is dropped on the way up, as an older protobuf parser skips a
-field it does not know."""
+field it does not know. `to_cut = n`: the next n JoinGroup streams end cleanly (status OK)
+after their first answer, as a middlebox that caps a stream's age or a peer that closes it
+may."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class GrpcProxy:
         self.older = older
         self.groups: list[pb.JoinGroupRequest] = []  # as they arrived, before any change
         self.audits: list[pb.AuditRequest] = []
+        self.to_cut = 0  # JoinGroup streams still to end cleanly after their first answer
         self.port = run_async(self._start(), timeout=30)
         self.addr = f"127.0.0.1:{self.port}"
 
@@ -81,9 +84,13 @@ class GrpcProxy:
             # connection does (grpc.aio does not always cancel this handler; the context's
             # done callback always runs): else the coordinator holds the caller's ranks.
             context.add_done_callback(lambda _: call.cancel())
+            cut = name == "JoinGroup" and self.to_cut > 0
+            self.to_cut -= cut
             try:
                 async for reply in call:
                     yield reply
+                    if cut:
+                        return  # status OK, without the verdict
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), exc.details() or "")
             finally:

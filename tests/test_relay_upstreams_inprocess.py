@@ -157,3 +157,23 @@ def test_a_request_for_one_ranks_digests_reaches_that_rank_only() -> None:
         assert {r.rank: r.digest_requests for r in results} == {0: [0], 1: [1]}
     finally:
         node.stop()
+
+
+def test_an_upstream_that_ends_the_groups_stream_without_a_verdict_tells_its_ranks() -> None:
+    """The node's one call upstream ends cleanly (status OK) after its first answer, with no
+    verdict: its ranks are told at once (UNAVAILABLE, the agent's cue to re-join), never
+    left waiting for a verdict that will not come; the next run of the job forms."""
+    node = RelayedNode({"join_deadline": 30}, local_ranks=2)
+    node.hop.to_cut = 1
+    try:
+        m = manifest_of()
+        cut = run_cohort(node.addr, "cut", dict.fromkeys(range(2), m), timeout=20)
+        for r in cut:
+            assert r.error is not None and r.error.code() == grpc.StatusCode.UNAVAILABLE, r.error
+            assert r.error.details() == (
+                f"the coordinator at {node.hop.addr} ended the group without a verdict"
+            )
+            assert r.verdict is None
+        one_cohort(run_cohort(node.addr, "cut", dict.fromkeys(range(2), m)), FORMED)
+    finally:
+        node.stop()
