@@ -191,3 +191,26 @@ def test_a_relay_given_the_standby_first_follows_it_to_the_leader_and_its_ranks_
         one_cohort(run_cohort(relay.addr, "again", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
     finally:
         relay.stop()
+
+
+def test_a_relay_given_a_standby_sends_its_audits_on_to_the_leader_it_names(
+    pair: tuple[InProcessCoordinator, InProcessCoordinator],
+) -> None:
+    """A node relay given one replica's address, the standby's (a name that resolved to it),
+    that has joined nobody yet audits a job formed on the leader: its first call reaches
+    the standby, whose refusal names the leader; the relay moves there and the ranks'
+    audits are answered, no rank told of the standby."""
+    from tests.relays import InProcessRelay, audit_step
+
+    leader, standby = pair
+    m = manifest_of()
+    formed = one_cohort(run_cohort(leader.addr, "audited", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+    relay = InProcessRelay(standby.addr, local_ranks=2, audit_window_s=0.2)
+    try:
+        replies = audit_step(lambda _: relay.addr, {r: rank_audit(formed, r, 1) for r in (0, 1)})
+        for rank, reply in replies.items():
+            assert isinstance(reply, pb.AuditReply), (rank, reply)
+            assert [a.cohort_id for a in reply.answers] == [formed.cohort_id]
+        assert relay.relay.upstream == leader.addr
+    finally:
+        relay.stop()

@@ -247,3 +247,85 @@ def test_the_next_run_of_a_job_batches_afresh_once_a_verdict_went_out(node: Node
             run_cohort(node.addr, "twice", dict.fromkeys(range(4), m), launch=launch), FORMED
         )
     assert node.calls() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_a_quiet_rank_hears_its_first_progress_only_and_a_loud_one_each() -> None:
+    """Rank 0 prints the job's progress; the other ranks (quiet, as agents join) are told
+    once that they wait: the relay passes the coordinator's progress on to each rank that
+    way, so a waiting node's quiet ranks get one event, not one every interval."""
+    node = Node(window_s=0.2)
+    try:
+        m = manifest_of()
+        with ThreadPoolExecutor(3) as pool:
+            first = [
+                pool.submit(run_rank, node.addr, join_request("q", r, 3, m, quiet=r > 0), m)
+                for r in (0, 1)
+            ]
+            time.sleep(1.5)  # ~7 progress intervals
+            last = pool.submit(run_rank, node.addr, join_request("q", 2, 3, m, quiet=True), m)
+            results = [*(f.result() for f in first), last.result()]
+        one_cohort(results, FORMED)
+        assert len(results[0].progress) >= 4, results[0].progress
+        assert len(results[1].progress) == 1, results[1].progress
+    finally:
+        node.stop()
+
+
+def test_ranks_with_different_tokens_never_go_up_in_one_call(tmp_path: Path) -> None:
+    """A node's two ranks of one job, one with the job's token and one with a token that is
+    no token: each group goes up with its own rank's token, so the second is refused
+    (UNAUTHENTICATED) and never counts as a member; the first waits for it in vain."""
+    from tests.test_security import TOKEN_A, bearer, join_once
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN_A} job-a\n")
+    node = RelayedNode({"join_deadline": 2, "tokens_file": tokens}, local_ranks=2)
+    try:
+        with grpc.insecure_channel(node.addr) as ch, ThreadPoolExecutor(2) as pool:
+            sent = [(0, bearer(TOKEN_A)), (1, bearer("no-such-token-0123456789"))]
+            futures = [pool.submit(join_once, ch, "job-a", md, 2, rank) for rank, md in sent]
+            with pytest.raises(grpc.RpcError) as refused:
+                futures[1].result()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            verdict = futures[0].result()
+        assert verdict.outcome == REFUSED
+        assert verdict.refusal.cause == pb.Refusal.CAUSE_DEADLINE
+        assert verdict.refusal.missing_ranks == "1", verdict
+    finally:
+        node.stop()
+
+
+def test_a_relay_refuses_a_long_poll_from_below_and_says_what_it_takes(node: Node) -> None:
+    with grpc.insecure_channel(node.addr) as ch, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.CohortServiceStub(ch).JoinPoll(pb.JoinGroupRequest(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert caught.value.details() == (
+        "a relay takes JoinGroup from the relays below it, not JoinPoll"
+    )
+
+
+def test_a_rank_that_leaves_a_group_not_yet_sent_leaves_the_rest_waiting_for_the_node(
+    node: Node,
+) -> None:
+    """Ranks 0 and 1 wait in the node's group (2 of its 4 ranks), then rank 1's process
+    dies: nothing goes up for rank 0 alone; its restart and the node's other ranks join
+    the same group, which goes up once, whole."""
+    m = manifest_of()
+    pending = node.relay.relay._pending
+
+    def waiting() -> set[int]:
+        return {r for group in pending.values() for r in group.ranks}
+
+    with grpc.insecure_channel(node.addr) as channel, ThreadPoolExecutor(4) as pool:
+        first = pool.submit(run_rank, node.addr, join_request("unsent", 0, 4, m), m)
+        wait_until("rank 0 waits in the group", lambda: waiting() == {0}, 10)
+        gone = pb_grpc.CohortServiceStub(channel).Join(join_request("unsent", 1, 4, m))
+        wait_until("rank 1 waits in the group", lambda: waiting() == {0, 1}, 10)
+        gone.cancel()
+        wait_until("rank 1 left the group", lambda: waiting() == {0}, 10)
+        assert node.hop.groups == [], "rank 0 went up alone"
+        rest = [
+            pool.submit(run_rank, node.addr, join_request("unsent", r, 4, m), m) for r in (1, 2, 3)
+        ]
+        one_cohort([first.result(), *(f.result() for f in rest)], FORMED)
+    assert node.calls() == [[0, 1, 2, 3]]

@@ -7,6 +7,8 @@ processes."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,6 +23,7 @@ from tests.helpers import (
     join_request,
     manifest_of,
     one_cohort,
+    run_async,
     run_cohort,
     run_rank,
     wait_until,
@@ -28,6 +31,7 @@ from tests.helpers import (
 from tests.relays import InProcessRelay, RelayedNode
 
 FORMED = pb.Verdict.OUTCOME_FORMED
+SERVICE = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -177,3 +181,53 @@ def test_an_upstream_that_ends_the_groups_stream_without_a_verdict_tells_its_ran
         one_cohort(run_cohort(node.addr, "cut", dict.fromkeys(range(2), m)), FORMED)
     finally:
         node.stop()
+
+
+def test_a_relay_takes_the_rank_grace_its_upstream_says_or_none_where_it_cannot_say() -> None:
+    """What a relay started without --rank-grace asks its upstream (the Settings call): a
+    coordinator's `serve --rank-grace`, a rack relay's own grace; None (the relay keeps its
+    default) where the upstream says none, or does not answer within the time given (a
+    port that accepts and never speaks; a server that takes the call and never answers)."""
+    coordinator = InProcessCoordinator(join_deadline=30, rank_grace=2.5)
+    rack = InProcessRelay(coordinator.addr, rank_grace_s=3.5)
+    silent = socket.create_server(("127.0.0.1", 0))
+    stuck = threading.Event()
+    hung, hung_port = _never_answering_server(stuck)
+    relays = {
+        "coordinator": InProcessRelay(coordinator.addr),
+        "rack": InProcessRelay(rack.addr),
+        "silent": InProcessRelay(f"127.0.0.1:{silent.getsockname()[1]}"),
+        "hung": InProcessRelay(f"127.0.0.1:{hung_port}"),
+    }
+    try:
+        said = {k: run_async(r.relay.upstream_grace(1.0), timeout=10) for k, r in relays.items()}
+        assert said == {"coordinator": 2.5, "rack": 3.5, "silent": None, "hung": None}
+        rack.relay.rank_grace_s = 0.0  # says none
+        assert run_async(relays["rack"].relay.upstream_grace(1.0), timeout=10) is None
+        rack.relay.rank_grace_s = 1.0
+        assert run_async(relays["rack"].relay.upstream_grace(1.0), timeout=10) == 1.0
+    finally:
+        for r in (*relays.values(), rack):
+            r.stop()
+        silent.close()
+        stuck.set()
+        hung.stop(0)
+        coordinator.stop()
+
+
+def _never_answering_server(stuck: threading.Event) -> tuple[grpc.Server, int]:
+    """A gRPC server whose Settings call is taken and not answered until `stuck` is set (a
+    coordinator stuck after accepting the call)."""
+
+    def settings(request: bytes, context: grpc.ServicerContext) -> bytes:
+        stuck.wait(30)
+        return b""
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    handler = grpc.unary_unary_rpc_method_handler(settings)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, {"Settings": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port

@@ -36,12 +36,17 @@ def bearer(token: str) -> list[tuple[str, str]]:
 
 
 def join_once(
-    channel: grpc.Channel, job: str, metadata: list[tuple[str, str]], world: int = 1
+    channel: grpc.Channel,
+    job: str,
+    metadata: list[tuple[str, str]],
+    world: int = 1,
+    rank: int = 0,
 ) -> pb.Verdict:
-    """A one-rank cohort: join, upload when asked, return the verdict (or raise)."""
+    """A one-rank cohort (or `rank` of a bigger one): join, upload when asked, return the
+    verdict (or raise)."""
     m = manifest_of()
     stub = pb_grpc.CohortServiceStub(channel)
-    request = join_request(job, 0, world, m)
+    request = join_request(job, rank, world, m)
     for event in stub.Join(request, timeout=10, metadata=metadata):
         kind = event.WhichOneof("event")
         if kind == "manifest_request":
