@@ -2,7 +2,8 @@
 upstream and back, on the test process's shared loop, and each JoinGroup / JoinPoll and Audit
 request is kept as sent. With `older=True` it plays a coordinator that predates rank classes:
 the `ranks` field of a group is dropped on the way up, as an older protobuf parser skips a
-field it does not know. `to_cut = n`: the next n JoinGroup streams end cleanly (status OK)
+field it does not know; `older="empty"` drops the members too (an upstream that reads every
+group as empty). `to_cut = n`: the next n JoinGroup streams end cleanly (status OK)
 after their first answer, as a middlebox that caps a stream's age or a peer that closes it
 may."""
 
@@ -26,7 +27,7 @@ def _metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
 
 
 class GrpcProxy:
-    def __init__(self, upstream: str, *, older: bool = False) -> None:
+    def __init__(self, upstream: str, *, older: bool | str = False) -> None:
         self.upstream = upstream
         self.older = older
         self.groups: list[pb.JoinGroupRequest] = []  # as they arrived, before any change
@@ -54,6 +55,8 @@ class GrpcProxy:
             if self.older:
                 group = pb.JoinGroupRequest.FromString(data)
                 group.ClearField("ranks")
+                if self.older == "empty":
+                    group.ClearField("members")
                 return group.SerializeToString()
         return data
 

@@ -56,7 +56,9 @@ class RelayedNode:
     sends it (`hop`; `older`: it plays an upstream older than rank classes), and the node's
     relay (`relay`'s settings) in front of it (`addr`)."""
 
-    def __init__(self, coordinator: dict[str, Any], older: bool = False, **relay: Any) -> None:
+    def __init__(
+        self, coordinator: dict[str, Any], older: bool | str = False, **relay: Any
+    ) -> None:
         self.coordinator = InProcessCoordinator(**coordinator)
         self.hop = GrpcProxy(self.coordinator.addr, older=older)
         self.relay = InProcessRelay(self.hop.addr, **relay)

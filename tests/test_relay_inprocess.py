@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -142,6 +143,27 @@ def test_a_group_is_cut_before_it_outgrows_the_message_limit() -> None:
         calls = n.calls()
         assert sorted(r for c in calls for r in c) == [0, 1, 2, 3], calls
         assert max(len(c) for c in calls) == 2, calls
+    finally:
+        n.stop()
+
+
+def test_a_group_for_an_older_upstream_fits_the_limit_as_sent_one_request_per_rank() -> None:
+    """An upstream older than rank classes gets each rank's join whole, each with its
+    field's tag and length (3 bytes at this size): with a limit one byte short of three
+    joins so sent, no group of three goes up, and every group sent fits."""
+    m = manifest_of()
+    fields: dict[str, Any] = {
+        "config": pb.Fingerprint(fields={f"layer.{i}.width": f'"{i}"' for i in range(400)}),
+        "init_method": "tcp://127.0.0.1:29999",  # every rank's join of one size
+    }
+    limit = 3 * max(join_request("cut", r, 4, m, **fields).ByteSize() for r in range(4)) + 8
+    n = RelayedNode({"join_deadline": 30}, older=True, local_ranks=4, max_message_bytes=limit)
+    try:
+        results = run_cohort(n.addr, "cut", dict.fromkeys(range(4), m), **fields)
+        one_cohort(results, FORMED)
+        sent = [g for g in n.hop.groups if g.members]
+        assert sent and all(g.ByteSize() <= limit for g in sent), [g.ByteSize() for g in sent]
+        assert max(len(g.members) for g in sent) == 2, [len(g.members) for g in sent]
     finally:
         n.stop()
 

@@ -61,6 +61,21 @@ def test_an_older_upstream_gets_one_request_per_rank_after_its_first_empty_answe
         coordinator.stop()
 
 
+def test_an_upstream_that_reads_one_request_per_rank_as_empty_too_is_an_error_not_a_loop() -> None:
+    """The fall back to one request per rank is taken once a group: where the upstream
+    reads that as empty too, the ranks get its error; the relay does not re-join on and on."""
+    node = RelayedNode({"join_deadline": 30}, older="empty", local_ranks=1)
+    try:
+        m = manifest_of()
+        result = run_rank(node.addr, join_request("empty", 0, 1, m), m, timeout=10)
+        assert result.error is not None
+        assert result.error.code() == grpc.StatusCode.INVALID_ARGUMENT, result.error
+        assert "the group has no members" in (result.error.details() or "")
+        assert node.hop.sent() == ["classes", "members"]
+    finally:
+        node.stop()
+
+
 def test_a_current_upstream_that_refuses_a_group_for_another_reason_is_not_taken_as_older() -> None:
     node = RelayedNode({"join_deadline": 30}, local_ranks=1)
     try:

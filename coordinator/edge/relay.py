@@ -301,7 +301,9 @@ class Relay(pb_grpc.CohortServiceServicer):
         polls."""
 
         def request() -> pb.JoinGroupRequest:  # as they are now: the round pinned
-            return self.formats.group(self.upstream, [r.request for r in members.values()])
+            sent = self.formats.group(self.upstream, [r.request for r in members.values()])
+            group.sent_classes = bool(sent.ranks)
+            return sent
 
         while self.polling:
             call = group.call = self.stub.JoinPoll(request(), metadata=group.metadata)
@@ -362,7 +364,7 @@ class Relay(pb_grpc.CohortServiceServicer):
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             await self._unavailable(group, members, exc)
             return True
-        return self.formats.older(self.upstream, exc)
+        return self.formats.older(self.upstream, exc, group.sent_classes)
 
     async def _unavailable(
         self, group: Group, members: dict[int, Rank], exc: grpc.aio.AioRpcError

@@ -59,6 +59,7 @@ class Group:
     decided: bool = False
     bytes: int = 0  # the JoinGroupRequest's size
     lost: Outage | None = None  # the upstream is gone, since
+    sent_classes: bool = False  # its last request went up as classes of ranks
 
 
 class Outage:
@@ -128,23 +129,25 @@ class GroupFormats:
             return pb.JoinGroupRequest(members=joins)
         return as_classes(joins)
 
-    def older(self, upstream: str, exc: grpc.aio.AioRpcError) -> bool:
+    def older(self, upstream: str, exc: grpc.aio.AioRpcError, sent_classes: bool) -> bool:
         """An upstream older than rank classes reads a group sent as classes as empty (a
         coordinator: "the group has no members"; a relay: "got 0 members"): from then on
-        it gets one request per rank. True once per upstream: the group re-joins at once."""
+        it gets one request per rank. True for every group sent as classes that it read so
+        (the first, and any sent beside it before its answer came): each re-joins at once."""
         details = exc.details() or ""
         if (
-            upstream in self._older
+            not sent_classes
             or exc.code() != grpc.StatusCode.INVALID_ARGUMENT
             or ("the group has no members" not in details and "got 0 members" not in details)
         ):
             return False
-        self._older.add(upstream)
-        log.warning(
-            "the upstream reads no rank classes (an older version): sending it one request "
-            "per rank",
-            upstream=upstream,
-        )
+        if upstream not in self._older:
+            self._older.add(upstream)
+            log.warning(
+                "the upstream reads no rank classes (an older version): sending it one "
+                "request per rank",
+                upstream=upstream,
+            )
         return True
 
 
