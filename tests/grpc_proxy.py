@@ -31,6 +31,7 @@ class GrpcProxy:
         self.upstream = upstream
         self.older = older
         self.groups: list[pb.JoinGroupRequest] = []  # as they arrived, before any change
+        self.methods: list[str] = []  # the method each of `groups` came by
         self.audits: list[pb.AuditRequest] = []
         self.to_cut = 0  # JoinGroup streams still to end cleanly after their first answer
         self.port = run_async(self._start(), timeout=30)
@@ -52,6 +53,7 @@ class GrpcProxy:
             self.audits.append(pb.AuditRequest.FromString(data))
         if name in GROUPS:
             self.groups.append(pb.JoinGroupRequest.FromString(data))
+            self.methods.append(name)
             if self.older:
                 group = pb.JoinGroupRequest.FromString(data)
                 group.ClearField("ranks")

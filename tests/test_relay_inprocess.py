@@ -45,12 +45,14 @@ class Node(RelayedNode):
         local_ranks: int = 4,
         max_message_bytes: int = Limits.max_message_bytes,
         window_s: float = 2.0,
+        poll: bool = False,
     ) -> None:
         super().__init__(
             {"join_deadline": 30, "progress_interval": 0.2},
             local_ranks=local_ranks,
             max_message_bytes=max_message_bytes,
             window_s=window_s,
+            poll=poll,
         )
 
     def calls(self) -> list[list[int]]:
@@ -61,6 +63,17 @@ class Node(RelayedNode):
 @pytest.fixture
 def node() -> Iterator[Node]:
     n = Node()
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+@pytest.fixture(params=["stream", "poll"])
+def either(request: pytest.FixtureRequest) -> Iterator[Node]:
+    """A node relay on a JoinGroup stream upstream (the default) or polling (`--poll`: a
+    JoinPoll call per event, so the hop sees a group once per poll)."""
+    n = Node(poll=request.param == "poll")
     try:
         yield n
     finally:
@@ -85,18 +98,20 @@ def test_a_nodes_ranks_go_up_as_groups_of_local_ranks_and_each_hears_the_verdict
     assert sorted(node.calls()) == [[0, 1, 2, 3], [4], [5]]
 
 
-def test_a_refusal_reaches_every_rank_of_every_group_with_one_report(node: Node) -> None:
+def test_a_refusal_reaches_every_rank_of_every_group_with_one_report(either: Node) -> None:
     m = manifest_of()
     manifests = {r: manifest_of(dtype="bfloat16") if r == 5 else m for r in range(8)}
-    results = run_cohort(node.addr, "refused", manifests)
+    results = run_cohort(either.addr, "refused", manifests)
     verdict = one_cohort(results, REFUSED)
+    polled = either.relay.relay.polling
+    assert set(either.hop.methods) == {"JoinPoll" if polled else "JoinGroup"}
     assert {r.verdict.refusal.report for r in results if r.verdict} == {verdict.refusal.report}
     assert "1 rank [5]" in verdict.refusal.report and "bfloat16" in verdict.refusal.report
 
 
-def test_an_upstream_error_reaches_the_rank_whole(node: Node) -> None:
+def test_an_upstream_error_reaches_the_rank_whole(either: Node) -> None:
     m = manifest_of()
-    result = run_rank(node.addr, join_request("bad", 9, 4, m), m, timeout=10)
+    result = run_rank(either.addr, join_request("bad", 9, 4, m), m, timeout=10)
     assert result.error is not None and result.error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "rank 9 is outside [0, 4)" in (result.error.details() or "")
 
@@ -115,16 +130,18 @@ def test_a_group_waits_its_window_for_a_rank_that_never_comes_then_goes(node: No
     assert node.calls() == [[0, 1, 2], [3]]
 
 
-def test_a_rank_that_leaves_its_group_is_dropped_and_can_come_back(node: Node) -> None:
+def test_a_rank_that_leaves_its_group_is_dropped_and_can_come_back(either: Node) -> None:
     m = manifest_of()
-    channel = grpc.insecure_channel(node.addr)
+    channel = grpc.insecure_channel(either.addr)
     gone = pb_grpc.CohortServiceStub(channel).Join(join_request("back", 1, 3, m), timeout=30)
     with ThreadPoolExecutor(3) as pool:
-        first = pool.submit(run_rank, node.addr, join_request("back", 0, 3, m), m)
+        first = pool.submit(run_rank, either.addr, join_request("back", 0, 3, m), m)
         assert next(gone).WhichOneof("event") in ("manifest_request", "progress")
         gone.cancel()  # the relay re-joins rank 0 alone
         time.sleep(0.5)
-        rest = [pool.submit(run_rank, node.addr, join_request("back", r, 3, m), m) for r in (1, 2)]
+        rest = [
+            pool.submit(run_rank, either.addr, join_request("back", r, 3, m), m) for r in (1, 2)
+        ]
         results = [first.result(), *(f.result() for f in rest)]
     channel.close()
     one_cohort(results, FORMED)
@@ -293,7 +310,8 @@ def test_a_quiet_rank_hears_its_first_progress_only_and_a_loud_one_each() -> Non
         node.stop()
 
 
-def test_ranks_with_different_tokens_never_go_up_in_one_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("poll", [False, True], ids=["stream", "poll"])
+def test_ranks_with_different_tokens_never_go_up_in_one_call(tmp_path: Path, poll: bool) -> None:
     """A node's two ranks of one job, one with the job's token and one with a token that is
     no token: each group goes up with its own rank's token, so the second is refused
     (UNAUTHENTICATED) and never counts as a member; the first waits for it in vain."""
@@ -301,7 +319,7 @@ def test_ranks_with_different_tokens_never_go_up_in_one_call(tmp_path: Path) -> 
 
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{TOKEN_A} job-a\n")
-    node = RelayedNode({"join_deadline": 2, "tokens_file": tokens}, local_ranks=2)
+    node = RelayedNode({"join_deadline": 2, "tokens_file": tokens}, local_ranks=2, poll=poll)
     try:
         with grpc.insecure_channel(node.addr) as ch, ThreadPoolExecutor(2) as pool:
             sent = [(0, bearer(TOKEN_A)), (1, bearer("no-such-token-0123456789"))]
@@ -351,3 +369,21 @@ def test_a_rank_that_leaves_a_group_not_yet_sent_leaves_the_rest_waiting_for_the
         ]
         one_cohort([first.result(), *(f.result() for f in rest)], FORMED)
     assert node.calls() == [[0, 1, 2, 3]]
+
+
+def test_a_polling_relay_under_an_upstream_without_joinpoll_joins_on_a_stream() -> None:
+    """`relay --poll` under a rack relay (which takes JoinGroup only, as a coordinator
+    before 0.3 did): its first poll is refused UNIMPLEMENTED, and it joins on a stream
+    from then on; its ranks form, never told of the refusal."""
+    coordinator = InProcessCoordinator(join_deadline=30)
+    rack = InProcessRelay(coordinator.addr, local_ranks=2)
+    node = InProcessRelay(rack.addr, local_ranks=2, poll=True)
+    try:
+        m = manifest_of()
+        for job in ("a", "b"):
+            one_cohort(run_cohort(node.addr, job, {0: m, 1: m}), FORMED)
+        assert node.relay.polling is False
+    finally:
+        node.stop()
+        rack.stop()
+        coordinator.stop()
