@@ -246,3 +246,16 @@ def _never_answering_server(stuck: threading.Event) -> tuple[grpc.Server, int]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port
+
+
+def test_a_bad_upstream_address_is_named_by_the_relays_flag() -> None:
+    from cohortgate.coordinator.codec.channel import ClientSecurity
+    from cohortgate.coordinator.contract.settings import SettingError
+    from cohortgate.coordinator.edge.relay import Relay
+
+    with pytest.raises(SettingError) as caught:
+        Relay("http://127.0.0.1:7070", ClientSecurity())
+    assert str(caught.value) == (
+        "--upstream=http://127.0.0.1:7070: 'http://127.0.0.1:7070' is not HOST:PORT (for "
+        "example 127.0.0.1:7070 or [::1]:7070; no scheme, no path)"
+    )
