@@ -159,7 +159,7 @@ def test_a_group_is_cut_before_it_outgrows_the_message_limit() -> None:
         one_cohort(results, FORMED)
         calls = n.calls()
         assert sorted(r for c in calls for r in c) == [0, 1, 2, 3], calls
-        assert max(len(c) for c in calls) == 2, calls
+        assert [len(c) for c in calls] == [2, 2], calls
     finally:
         n.stop()
 
@@ -286,6 +286,27 @@ def test_the_next_run_of_a_job_batches_afresh_once_a_verdict_went_out(node: Node
             run_cohort(node.addr, "twice", dict.fromkeys(range(4), m), launch=launch), FORMED
         )
     assert node.calls() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    relay = node.relay.relay
+    wait_until("the relay keeps no task once its jobs are decided", lambda: not relay._tasks, 10)
+
+
+def test_ranks_past_the_nodes_local_ranks_go_up_at_once_each() -> None:
+    """With a long window (20 s): the node's four ranks go up as they complete the group;
+    a fifth and then a sixth process of the job on the node each go up at once, alone."""
+    node = Node(window_s=20)
+    try:
+        m = manifest_of()
+        with ThreadPoolExecutor(6) as pool:
+            first = pool.submit(run_cohort, node.addr, "past", dict.fromkeys(range(4), m), 6)
+            wait_until("the node's group sent", lambda: node.calls() == [[0, 1, 2, 3]], 10)
+            fifth = pool.submit(run_rank, node.addr, join_request("past", 4, 6, m), m)
+            wait_until("rank 4 sent at once", lambda: len(node.calls()) == 2, 10)
+            sixth = pool.submit(run_rank, node.addr, join_request("past", 5, 6, m), m)
+            wait_until("rank 5 sent at once", lambda: len(node.calls()) == 3, 10)
+            one_cohort([*first.result(), fifth.result(), sixth.result()], FORMED)
+        assert node.calls() == [[0, 1, 2, 3], [4], [5]]
+    finally:
+        node.stop()
 
 
 def test_a_quiet_rank_hears_its_first_progress_only_and_a_loud_one_each() -> None:
