@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
@@ -26,6 +27,7 @@ from tests.helpers import (
     InProcessCoordinator,
     join_request,
     manifest_of,
+    one_cohort,
     run_cohort,
     run_rank,
     serving_pid,
@@ -304,3 +306,36 @@ def test_a_poll_that_comes_back_to_its_decided_round_gets_the_verdict_once_store
         release.cancel()
         locker.close()
         c.stop()
+
+
+def test_once_a_verdict_went_out_unstored_the_next_is_not_held_for_the_history(
+    tmp_path: Path,
+) -> None:
+    """A history that stalls before it fails (its file locked by another process: a write
+    waits WRITE_BUSY_S, 2 s, before it errs): the first verdict is held RECORD_WAIT_S (1 s),
+    then sent, and that is said once, whole; the next, decided while the history is still
+    late, is sent without being held (said nothing)."""
+    path = tmp_path / "history.sqlite"
+    c = InProcessCoordinator(history=str(path), join_deadline=30.0)
+    locker = sqlite3.connect(path, isolation_level=None)
+    m = manifest_of()
+    try:
+        locker.execute("BEGIN EXCLUSIVE")
+        with structlog.testing.capture_logs() as logs:
+            for job in ("late-a", "late-b"):
+                one_cohort(run_cohort(c.addr, job, {0: m}), pb.Verdict.OUTCOME_FORMED)
+            time.sleep(1.5)  # past the second verdict's RECORD_WAIT_S, had it been held
+    finally:
+        locker.close()
+        c.stop()
+    late = [e for e in logs if e["event"] == "verdict sent before the history stored it"]
+    assert late == [
+        {
+            "event": "verdict sent before the history stored it",
+            "log_level": "warning",
+            "job": "late-a",
+            "round": 1,
+            "waited_s": 1.0,
+            "advice": "the history file is slow or refuses writes; the record is retried",
+        }
+    ]
