@@ -302,6 +302,12 @@ def test_a_poll_that_comes_back_to_its_decided_round_gets_the_verdict_once_store
             assert again.verdict.outcome == pb.Verdict.OUTCOME_FORMED, again
             assert stored == 1, "the poll got a verdict the history did not hold yet"
             assert other.result(timeout=30).verdict == again.verdict
+        calls = c.running.coordinator.calls
+        # the answered polls' members linger for the relay's next poll, then leave
+        _wait_for(
+            lambda: c.call(lambda: (calls._held, calls._cohorts)) == ({}, {}),
+            "a call kept once every poll was answered and its linger over",
+        )
     finally:
         release.cancel()
         locker.close()
