@@ -345,3 +345,23 @@ def test_once_a_verdict_went_out_unstored_the_next_is_not_held_for_the_history(
             "advice": "the history file is slow or refuses writes; the record is retried",
         }
     ]
+
+
+@pytest.mark.parametrize("history", ["off", "file"])
+def test_a_healthy_history_holds_no_verdict_back(tmp_path: Path, history: str) -> None:
+    """A history that stores at once (`--history off`: this process's memory, stored
+    before `record` returns; or a file nobody else holds) never holds a verdict back for
+    RECORD_WAIT_S: no "sent before the history stored it", formed or refused."""
+    where = "off" if history == "off" else str(tmp_path / "history.sqlite")
+    c = InProcessCoordinator(history=where, join_deadline=30.0)
+    m = manifest_of()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            one_cohort(run_cohort(c.addr, "ok", {0: m, 1: m}), pb.Verdict.OUTCOME_FORMED)
+            one_cohort(
+                run_cohort(c.addr, "no", {0: m, 1: manifest_of(dtype="bfloat16")}),
+                pb.Verdict.OUTCOME_REFUSED,
+            )
+    finally:
+        c.stop()
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == []
