@@ -112,26 +112,27 @@ def test_a_locked_history_changes_no_verdict_and_is_written_once_released(
 
 def test_a_verdict_reaches_the_ranks_only_once_the_history_holds_it(tmp_path: Path) -> None:
     """Stored, then sent: a rank whose call breaks as the coordinator dies must find the
-    verdict in its successor's history. The file is locked for a moment as the cohort is
-    decided; the ranks get the verdict only once it is committed, not before."""
+    verdict in its successor's history. The file is locked for a moment as each of two
+    cohorts is decided, one after the other; the ranks get each verdict only once it is
+    committed, not before (a verdict stored does not let the next go unstored)."""
     path = tmp_path / "history.sqlite"
     c = InProcessCoordinator(history=str(path), join_deadline=30.0)
     locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    release = threading.Timer(0.5, lambda: locker.execute("ROLLBACK"))
+    m = manifest_of()
     try:
-        locker.execute("BEGIN EXCLUSIVE")
-        release.start()
-        m = manifest_of()
-        results = run_cohort(c.addr, "stored-first", {0: m, 1: m})
-        # Read at once (WAL: reads go on under the lock). A verdict sent before the commit
-        # finds nothing stored, with the lock still held.
-        with sqlite3.connect(path) as reader:
-            stored = _stored_rows(reader, "stored-first")
-        release.join()
-        assert all(r.verdict is not None for r in results), [r.error for r in results]
-        assert stored == 1, "the ranks got a verdict the history did not hold yet"
+        for job in ("stored-first", "stored-next"):
+            locker.execute("BEGIN EXCLUSIVE")
+            release = threading.Timer(0.5, lambda: locker.execute("ROLLBACK"))
+            release.start()
+            results = run_cohort(c.addr, job, {0: m, 1: m})
+            # Read at once (WAL: reads go on under the lock). A verdict sent before the
+            # commit finds nothing stored, with the lock still held.
+            with contextlib.closing(sqlite3.connect(path)) as reader:
+                stored = _stored_rows(reader, job)
+            release.join()
+            assert all(r.verdict is not None for r in results), [r.error for r in results]
+            assert stored == 1, f"{job}: the ranks got a verdict the history did not hold yet"
     finally:
-        release.cancel()
         locker.close()
         c.stop()
 
