@@ -353,24 +353,3 @@ def test_a_rank_asked_for_its_manifest_that_leaves_hands_the_ask_to_another_at_o
     finally:
         c.stop()
 
-
-def test_the_manifest_ask_of_a_rank_that_leaves_goes_at_once_to_another_of_its_signature() -> None:
-    """Rank 0 is asked for the manifest of its signature and dies without sending it; rank
-    1, of the same signature and waiting, is asked at once: its first event, within 4 s
-    (its first progress event is 30 s away, and a silent holder is passed over at 5 s)."""
-    c = InProcessCoordinator(join_deadline=60, progress_interval=30)
-    m = manifest_of()
-    try:
-        with grpc.insecure_channel(c.addr) as channel:
-            stub = pb_grpc.CohortServiceStub(channel)
-            first = stub.Join(join_request("moved", 0, 3, m), timeout=30)
-            assert next(first).WhichOneof("event") == "manifest_request"
-            second = stub.Join(join_request("moved", 1, 3, m), timeout=4)
-            wait_joined(c.addr, "moved", 2)
-            first.cancel()  # rank 0 dies with the ask
-            asked = next(second)  # DEADLINE_EXCEEDED if it is not asked
-            assert asked.WhichOneof("event") == "manifest_request", asked
-            assert asked.manifest_request.rank == 1
-            second.cancel()
-    finally:
-        c.stop()
