@@ -352,4 +352,3 @@ def test_a_rank_asked_for_its_manifest_that_leaves_hands_the_ask_to_another_at_o
             second.cancel()
     finally:
         c.stop()
-
