@@ -61,23 +61,18 @@ class Node(RelayedNode):
 
 
 @pytest.fixture
-def node() -> Iterator[Node]:
-    n = Node()
+def node(request: pytest.FixtureRequest) -> Iterator[Node]:
+    """A node relay on a JoinGroup stream upstream (the default), or polling where a test
+    asks for both (`BOTH`; `--poll`: a JoinPoll call per event, so the hop sees a group
+    once per poll)."""
+    n = Node(poll=getattr(request, "param", "stream") == "poll")
     try:
         yield n
     finally:
         n.stop()
 
 
-@pytest.fixture(params=["stream", "poll"])
-def either(request: pytest.FixtureRequest) -> Iterator[Node]:
-    """A node relay on a JoinGroup stream upstream (the default) or polling (`--poll`: a
-    JoinPoll call per event, so the hop sees a group once per poll)."""
-    n = Node(poll=request.param == "poll")
-    try:
-        yield n
-    finally:
-        n.stop()
+BOTH = pytest.mark.parametrize("node", ["stream", "poll"], indirect=True)
 
 
 def test_a_nodes_ranks_go_up_as_groups_of_local_ranks_and_each_hears_the_verdict(
@@ -98,20 +93,22 @@ def test_a_nodes_ranks_go_up_as_groups_of_local_ranks_and_each_hears_the_verdict
     assert sorted(node.calls()) == [[0, 1, 2, 3], [4], [5]]
 
 
-def test_a_refusal_reaches_every_rank_of_every_group_with_one_report(either: Node) -> None:
+@BOTH
+def test_a_refusal_reaches_every_rank_of_every_group_with_one_report(node: Node) -> None:
     m = manifest_of()
     manifests = {r: manifest_of(dtype="bfloat16") if r == 5 else m for r in range(8)}
-    results = run_cohort(either.addr, "refused", manifests)
+    results = run_cohort(node.addr, "refused", manifests)
     verdict = one_cohort(results, REFUSED)
-    polled = either.relay.relay.polling
-    assert set(either.hop.methods) == {"JoinPoll" if polled else "JoinGroup"}
+    polled = node.relay.relay.polling
+    assert set(node.hop.methods) == {"JoinPoll" if polled else "JoinGroup"}
     assert {r.verdict.refusal.report for r in results if r.verdict} == {verdict.refusal.report}
     assert "1 rank [5]" in verdict.refusal.report and "bfloat16" in verdict.refusal.report
 
 
-def test_an_upstream_error_reaches_the_rank_whole(either: Node) -> None:
+@BOTH
+def test_an_upstream_error_reaches_the_rank_whole(node: Node) -> None:
     m = manifest_of()
-    result = run_rank(either.addr, join_request("bad", 9, 4, m), m, timeout=10)
+    result = run_rank(node.addr, join_request("bad", 9, 4, m), m, timeout=10)
     assert result.error is not None and result.error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "rank 9 is outside [0, 4)" in (result.error.details() or "")
 
@@ -130,18 +127,17 @@ def test_a_group_waits_its_window_for_a_rank_that_never_comes_then_goes(node: No
     assert node.calls() == [[0, 1, 2], [3]]
 
 
-def test_a_rank_that_leaves_its_group_is_dropped_and_can_come_back(either: Node) -> None:
+@BOTH
+def test_a_rank_that_leaves_its_group_is_dropped_and_can_come_back(node: Node) -> None:
     m = manifest_of()
-    channel = grpc.insecure_channel(either.addr)
+    channel = grpc.insecure_channel(node.addr)
     gone = pb_grpc.CohortServiceStub(channel).Join(join_request("back", 1, 3, m), timeout=30)
     with ThreadPoolExecutor(3) as pool:
-        first = pool.submit(run_rank, either.addr, join_request("back", 0, 3, m), m)
+        first = pool.submit(run_rank, node.addr, join_request("back", 0, 3, m), m)
         assert next(gone).WhichOneof("event") in ("manifest_request", "progress")
         gone.cancel()  # the relay re-joins rank 0 alone
         time.sleep(0.5)
-        rest = [
-            pool.submit(run_rank, either.addr, join_request("back", r, 3, m), m) for r in (1, 2)
-        ]
+        rest = [pool.submit(run_rank, node.addr, join_request("back", r, 3, m), m) for r in (1, 2)]
         results = [first.result(), *(f.result() for f in rest)]
     channel.close()
     one_cohort(results, FORMED)

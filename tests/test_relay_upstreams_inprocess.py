@@ -17,7 +17,7 @@ import pytest
 from cohortgate.coordinator.api.v1 import cohort_pb2 as pb
 from cohortgate.coordinator.api.v1 import cohort_pb2_grpc as pb_grpc
 from cohortgate.coordinator.codec.groups import as_classes
-from tests.grpc_proxy import GrpcProxy
+from tests.grpc_proxy import SERVICE, GrpcProxy
 from tests.helpers import (
     InProcessCoordinator,
     join_request,
@@ -31,7 +31,6 @@ from tests.helpers import (
 from tests.relays import InProcessRelay, RelayedNode
 
 FORMED = pb.Verdict.OUTCOME_FORMED
-SERVICE = pb.DESCRIPTOR.services_by_name["CohortService"].full_name
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -241,7 +240,7 @@ def _never_answering_server(stuck: threading.Event) -> tuple[grpc.Server, int]:
     server = grpc.server(ThreadPoolExecutor(2))
     handler = grpc.unary_unary_rpc_method_handler(settings)
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE, {"Settings": handler}),)
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, {"Settings": handler}),)
     )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
